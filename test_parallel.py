@@ -1,0 +1,459 @@
+"""
+Every test, one file. Run either way:
+
+    pytest test_parallel.py                                   # tests start their own gloo workers
+    torchrun --nproc_per_node=4 -m pytest test_parallel.py    # tests of 4 ranks use the launched world
+
+Every strategy is held to train_single.py: same data, same initial weights, same losses and weights after
+several optimizer steps, in float32 on CPU, within reduction-order noise (TOLERANCE below).
+"""
+
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpt  # noqa: E402
+import prepare_data  # noqa: E402
+import train_single  # noqa: E402
+
+# ------------------------------------------------------------------------------------------------------------
+# Harness: run a function on N gloo ranks, as forked workers or on the world torchrun launched
+
+LAUNCHED_WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # > 1: under torchrun with several ranks
+WORKER_TIMEOUT_S = 300  # a whole multi-rank test; a hang fails the test instead of the suite
+COLLECTIVE_TIMEOUT_S = 60  # a rank stuck in a collective raises after this
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)  # two cores: one thread a rank, or every rank slows ~2.5x
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        queue.put((rank, True, fn(*args)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        queue.close()
+        queue.join_thread()  # flush the result before the hard exit below
+        os._exit(0)  # skip pytest's atexit machinery inherited through fork
+
+
+def _ensure_launched_group():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def run_distributed(world_size, fn, *args):
+    """fn(*args) on `world_size` ranks of a gloo group; returns the list of the ranks' results (plain values
+    or numpy arrays: tensors do not survive the trip from a worker that exits). Under plain pytest or a
+    one-process torchrun, forks the workers; under torchrun with N > 1 ranks, runs on the launched world and
+    skips a test that needs another size."""
+    if LAUNCHED_WORLD > 1:
+        if world_size != LAUNCHED_WORLD:
+            pytest.skip(f"needs {world_size} ranks; launched with {LAUNCHED_WORLD}")
+        _ensure_launched_group()
+        try:
+            outcome = (True, fn(*args))
+        except Exception:
+            outcome = (False, traceback.format_exc())
+        outcomes = [None] * world_size
+        dist.all_gather_object(outcomes, outcome)  # every rank fails if any rank failed
+        errors = [f"rank {r}:\n{text}" for r, (ok, text) in enumerate(outcomes) if not ok]
+        if errors:
+            pytest.fail("\n".join(errors))
+        return [result for _, result in outcomes]
+
+    context = multiprocessing.get_context("fork")  # 0.1 s a worker; spawn and forkserver take seconds
+    queue = context.Queue()
+    port = _free_port()
+    workers = [context.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+               for r in range(world_size)]
+    for w in workers:
+        w.start()
+    results, errors = {}, []
+    deadline = time.time() + WORKER_TIMEOUT_S
+    try:
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, ok, value = queue.get(timeout=max(0.1, deadline - time.time()))
+            except Exception:
+                missing = sorted(set(range(world_size)) - set(results))
+                pytest.fail(f"ranks {missing} gave no result within {WORKER_TIMEOUT_S}s")
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break  # the first error is the cause; the other ranks may be stuck waiting for it
+    finally:
+        for w in workers:
+            w.join(timeout=5 if not errors else 0.5)
+            if w.is_alive():
+                w.kill()
+                w.join()
+    if errors:
+        pytest.fail("\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+@pytest.fixture
+def shared_tmp(tmp_path):
+    """A folder every rank sees: rank 0's tmp_path when torchrun launched the ranks."""
+    if LAUNCHED_WORLD == 1:
+        return tmp_path
+    _ensure_launched_group()
+    path = [str(tmp_path)]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Runs of the training scripts and their comparison
+
+TOLERANCE = 2e-5
+"""Largest difference allowed between two layouts, relative to each tensor's largest magnitude (losses:
+relative to the loss). Summing gradients over 2 or 4 ranks instead of one process reorders float32 additions
+(~7e-7 relative per tensor, DESIGN.md); AdamW divides by sqrt(v), so over 6 steps the weights drift a little
+further: measured ~1e-6-4e-6. A dropped all-reduce, a skipped shard or a wrong loss scale moves them by 1e-3
+or more."""
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The embedded default corpus, prepared once per session (~1 s)."""
+    folder = tmp_path_factory.mktemp("corpus")
+    prepare_data.prepare_default(str(folder))
+    return str(folder)
+
+
+def flags(corpus, out_dir, **overrides):
+    """Command-line flags of a short float32 run: tiny model, 8 sequences of 32 tokens, accumulation
+    8 / (micro batch 2 x data-parallel size), clipping active (the first steps' grad norm is ~10), 6 steps."""
+    settings = dict(model="tiny", data=corpus, out_dir=str(out_dir), block_size=32, global_batch=16, micro_batch=2,
+                    max_steps=6, warmup_steps=2, lr=3e-3, min_lr=3e-4, grad_clip=1.0, eval_interval=0,
+                    log_interval=1, ckpt_interval=0, sample_tokens=0, seed=1234)
+    settings.update(overrides)
+    argv = []
+    for key, value in settings.items():
+        if value is True:
+            argv.append(f"--{key}")
+        elif value is not False and value is not None:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def read_run(out_dir):
+    """(losses by step, {name: final weights}) of a finished run, read through the shared checkpoint format."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}  # a resumed step overwrites its first try
+    checkpoint = gpt.Checkpoint(gpt.latest_checkpoint(out_dir))
+    weights = {name: checkpoint.full(name).numpy() for name in checkpoint.pieces if "/" not in name}
+    return [losses[s] for s in sorted(losses)], weights
+
+
+_single_runs = {}
+
+
+def single_run(corpus, tmp_path_factory, **overrides):
+    """train_single.py in this process, once per distinct set of flags per session: the reference."""
+    key = tuple(sorted(overrides.items()))
+    if key not in _single_runs:
+        out_dir = tmp_path_factory.mktemp("single")
+        train_single.main(flags(corpus, out_dir, **overrides))
+        _single_runs[key] = read_run(out_dir)
+    return _single_runs[key]
+
+
+def assert_runs_match(run, reference, tolerance=TOLERANCE):
+    losses, weights = run
+    ref_losses, ref_weights = reference
+    assert len(losses) == len(ref_losses)
+    np.testing.assert_allclose(losses, ref_losses, rtol=tolerance, atol=0)
+    assert weights.keys() == ref_weights.keys()
+    for name, ref in ref_weights.items():
+        scale = np.abs(ref).max() or 1.0
+        error = np.abs(weights[name] - ref).max() / scale
+        assert error <= tolerance, f"{name}: max difference {error:.2e} of its largest magnitude (> {tolerance})"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The harness itself
+
+
+def _sum_of_ranks():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_harness_runs_ranks():
+    assert run_distributed(2, _sum_of_ranks) == [1.0, 1.0]
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("deliberate failure on rank 1")
+    dist.barrier()  # rank 0 waits here for a rank that will never come
+
+
+@pytest.mark.skipif(LAUNCHED_WORLD > 1, reason="forks its own workers")
+def test_harness_reports_failure_and_leaves_no_worker():
+    start = time.time()
+    with pytest.raises(pytest.fail.Exception, match="deliberate failure on rank 1"):
+        run_distributed(2, _fail_on_rank_one)
+    assert time.time() - start < 30
+    assert not multiprocessing.active_children()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# gpt.py
+
+
+def test_model_shapes_and_tied_weights():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    model = gpt.GPT(config)
+    model.init_weights(seed=0)
+    idx = torch.randint(0, 256, (2, 32))
+    assert model(idx).shape == (2, 32, 256)
+    loss = model(idx, idx)
+    assert loss.shape == () and 4.5 < loss.item() < 6.5  # ~ln(256) = 5.5 at init
+    assert model.lm_head.weight is model.wte.weight
+    names = [name for name, _ in model.named_parameters()]
+    assert "wte.weight" in names and not any(name.startswith("lm_head") for name in names)
+    assert gpt.GPTConfig(vocab_size=50257).padded_vocab_size == 50304
+    with torch.device("meta"):
+        gpt2 = gpt.GPT(gpt.make_config("gpt2", vocab_size=50257, block_size=1024))
+    assert 124e6 < gpt2.num_params() < 125e6  # GPT-2 small: 124M (with the vocabulary padded to 50304)
+    with pytest.raises(ValueError, match="unknown --model 'gpt5'"):
+        gpt.make_config("gpt5", 256, 32)
+
+
+def test_meta_init_equals_direct_init():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    direct = gpt.GPT(config)
+    direct.init_weights(seed=7)
+    with torch.device("meta"):
+        deferred = gpt.GPT(config)
+    deferred.to_empty(device="cpu")
+    deferred.init_weights(seed=7)
+    assert deferred.lm_head.weight is deferred.wte.weight  # the tie survives materialisation
+    for (name, a), (_, b) in zip(direct.named_parameters(), deferred.named_parameters()):
+        assert torch.equal(a, b), name
+    # A slice is the slice of the whole: what a tensor-parallel rank or an FSDP shard initialises by itself.
+    full = gpt.initial_value("blocks.1.mlp.fc.weight", (512, 128), config, seed=7)
+    assert torch.equal(full, direct.blocks[1].mlp.fc.weight.detach())
+    assert direct.blocks[0].mlp.proj.weight.std() < 0.6 * direct.blocks[0].mlp.fc.weight.std()  # 1/sqrt(2 n_layer)
+    other_seed = gpt.GPT(config)
+    other_seed.init_weights(seed=8)
+    assert not torch.equal(other_seed.wte.weight, direct.wte.weight)
+
+
+def test_flops_and_mfu_need_a_known_device():
+    config = gpt.make_config("gpt2", vocab_size=50257, block_size=1024)
+    n = 124_475_904 - 1024 * 768  # GPT-2 small with padded vocab, without position embeddings
+    assert gpt.flops_per_token(config, n) == 6 * n + 12 * 12 * 12 * 64 * 1024
+    assert gpt.peak_flops(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2, 4])
+def test_sampler_rows_partition_the_global_batch(corpus, micro_batch):
+    path = os.path.join(corpus, "train.bin")
+    sample = lambda dp_rank, dp_size: gpt.BatchSampler(path, 16, 16, micro_batch, dp_rank, dp_size, seed=3,
+                                                       device=torch.device("cpu"))
+    one = sample(0, 1)
+    reference = {}  # global row -> tokens, from the single-device layout
+    for micro_step in range(one.accumulation):
+        x, _ = one.get(step=5, micro_step=micro_step)
+        reference.update(zip(one.rows(micro_step), x))
+    assert sorted(reference) == list(range(16))
+    for dp_size in (2, 4):
+        seen = []
+        for dp_rank in range(dp_size):
+            sampler = sample(dp_rank, dp_size)
+            for micro_step in range(sampler.accumulation):
+                x, y = sampler.get(step=5, micro_step=micro_step)
+                for row, tokens, targets in zip(sampler.rows(micro_step), x, y):
+                    assert torch.equal(tokens, reference[row])
+                    assert torch.equal(targets[:-1], tokens[1:])
+                    seen.append(row)
+        assert sorted(seen) == list(range(16)), "data-parallel ranks overlap or miss rows"
+    assert not torch.equal(one.get(5, 0)[0], one.get(6, 0)[0])
+    with pytest.raises(ValueError, match="not a multiple of --micro_batch"):
+        gpt.BatchSampler(path, 16, 16, 3, 0, 2, 0, torch.device("cpu"))
+
+
+def test_lr_schedule():
+    args = gpt.get_parser("").parse_args(["--lr", "1.0", "--min_lr", "0.1", "--warmup_steps", "10", "--max_steps", "110"])
+    assert gpt.get_lr(0, args) == pytest.approx(0.1)
+    assert gpt.get_lr(9, args) == pytest.approx(1.0)
+    assert gpt.get_lr(60, args) == pytest.approx(0.55)
+    assert gpt.get_lr(110, args) == pytest.approx(0.1)
+
+
+def test_checkpoint_pieces_assemble_any_layout(tmp_path):
+    """Pieces cut as a tensor-parallel box, an FSDP flat range, or both, assemble into the full tensor."""
+    full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
+    column_halves = [((0, 6), (0, 4)), ((0, 6), (4, 8))]
+    pieces = [gpt.piece(full.shape, full[:, 0:4].flatten()[:10], column_halves[0], (0, 10)),
+              gpt.piece(full.shape, full[:, 0:4].flatten()[10:], column_halves[0], (10, 24)),
+              gpt.piece(full.shape, full[:, 4:8], column_halves[1])]
+    for rank, mine in enumerate([pieces[:1], pieces[1:]]):
+        gpt.save_shard(str(tmp_path), 3, rank, {"w": mine}, rng_state=None)
+    gpt.publish_checkpoint(str(tmp_path), 3, 2, {"config": {}})
+    checkpoint = gpt.Checkpoint(gpt.latest_checkpoint(str(tmp_path)))
+    assert torch.equal(checkpoint.full("w"), full)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# prepare_data.py
+
+
+def test_prepare_data_local_text(tmp_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    lines = [f"line {i}: caf\u00e9 {'x' * (i % 7)}" for i in range(200)]
+    (folder / "a.txt").write_text("\n".join(lines[:120]) + "\n")
+    (folder / "b.txt").write_text("\n".join(lines[120:]) + "\n")
+    out = tmp_path / "prepared"
+    meta = prepare_data.main(["--input", str(folder), "--tokenizer", "byte", "--out_dir", str(out),
+                              "--val_fraction", "0.1", "--num_proc", "1"])
+    assert meta["tokenizer"] == "byte" and meta["vocab_size"] == 256
+    train = np.fromfile(out / "train.bin", dtype=np.uint16)
+    val = np.fromfile(out / "val.bin", dtype=np.uint16)
+    assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
+    assert len(train) + len(val) == sum(len((line + "\n").encode()) for line in lines)
+    text = prepare_data.ByteTokenizer().decode(np.concatenate([train, val]).tolist())
+    assert sorted(text.splitlines()) == sorted(lines)  # every line once, whole, in one split or the other
+    assert 0 < len(val) < len(train)
+    assert json.loads((out / "meta.json").read_text()) == meta
+
+
+def test_prepare_data_missing_input_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="no such file or folder"):
+        prepare_data.main(["--input", str(tmp_path / "nope"), "--tokenizer", "byte", "--out_dir", str(tmp_path)])
+
+
+def test_default_corpus(corpus):
+    meta = gpt.load_meta(corpus)
+    assert meta["tokenizer"] == "byte" and meta["train_tokens"] > 10_000_000 and meta["val_tokens"] > 100_000
+    head = np.memmap(os.path.join(corpus, "train.bin"), dtype=np.uint16, mode="r")[:10_000]
+    assert head.max() < 256 and "import" in bytes(head.astype(np.uint8)).decode("utf-8", "replace")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# train_single.py
+
+
+def test_loss_falls_on_the_default_corpus(corpus, tmp_path):
+    train_single.main(flags(corpus, tmp_path, block_size=64, micro_batch=16, max_steps=60, warmup_steps=10,
+                            lr=3e-3, eval_interval=59, log_interval=10))
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    first, last = records[0], records[-1]
+    assert first["loss"] > 5.0 and last["loss"] < 3.6, (first["loss"], last["loss"])
+    assert first["val_loss"] > 5.0 and last["val_loss"] < 3.6
+    assert set(last) >= {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "step_ms"}
+    assert last["mfu"] is None and last["tokens_per_s"] > 0 and last["peak_mem_mb"] > 0
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    train_single.main(flags(corpus, straight, max_steps=8))
+    interrupted = tmp_path / "interrupted"
+    real_get_lr = gpt.get_lr
+
+    def crash_at_step_5(step, args):
+        if step == 5:
+            raise Crash
+        return real_get_lr(step, args)
+
+    monkeypatch.setattr(gpt, "get_lr", crash_at_step_5)
+    with pytest.raises(Crash):
+        train_single.main(flags(corpus, interrupted, max_steps=8, ckpt_interval=3))
+    monkeypatch.setattr(gpt, "get_lr", real_get_lr)
+    assert gpt.latest_checkpoint(str(interrupted)).endswith("ckpt-0000003")
+    train_single.main(flags(corpus, interrupted, max_steps=8, ckpt_interval=3, resume=True))
+    losses, weights = read_run(str(interrupted))
+    ref_losses, ref_weights = read_run(str(straight))
+    assert losses == ref_losses  # bit-identical, not merely close
+    for name in ref_weights:
+        assert np.array_equal(weights[name], ref_weights[name]), name
+
+
+def test_checkpoint_killed_mid_write_leaves_the_previous_one(corpus, tmp_path, monkeypatch):
+    real_save = torch.save
+    saves = []
+
+    def dies_halfway_through_the_second_checkpoint(obj, path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) == 3:  # after step 2's rank file and meta, step 4's rank file: write half, then "die"
+            real_save(obj, path, *args, **kwargs)
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+            raise Crash
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", dies_halfway_through_the_second_checkpoint)
+    with pytest.raises(Crash):
+        train_single.main(flags(corpus, tmp_path, max_steps=6, ckpt_interval=2))
+    monkeypatch.setattr(torch, "save", real_save)
+    latest = gpt.latest_checkpoint(str(tmp_path))
+    assert latest.endswith("ckpt-0000002")
+    gpt.Checkpoint(latest)  # loads whole
+    with pytest.raises(SystemExit, match="pass --resume"):  # a new run never overwrites what is saved
+        train_single.main(flags(corpus, tmp_path, max_steps=6, ckpt_interval=2))
+    train_single.main(flags(corpus, tmp_path, max_steps=6, ckpt_interval=2, resume=True))
+    assert gpt.latest_checkpoint(str(tmp_path)).endswith("ckpt-0000006")
+
+
+def test_checkpoint_of_another_model_is_refused(corpus, tmp_path):
+    train_single.main(flags(corpus, tmp_path, max_steps=2))
+    before = open(os.path.join(gpt.latest_checkpoint(str(tmp_path)), "meta.pt"), "rb").read()
+    with pytest.raises(ValueError, match="another model"):
+        train_single.main(flags(corpus, tmp_path, max_steps=4, block_size=64, resume=True))
+    assert open(os.path.join(gpt.latest_checkpoint(str(tmp_path)), "meta.pt"), "rb").read() == before
+
+
+def test_truncated_checkpoint_is_refused(corpus, tmp_path):
+    train_single.main(flags(corpus, tmp_path, max_steps=2))
+    rank_file = os.path.join(gpt.latest_checkpoint(str(tmp_path)), "rank00000.pt")
+    with open(rank_file, "r+b") as f:
+        f.truncate(os.path.getsize(rank_file) // 2)
+    with pytest.raises(RuntimeError, match="unreadable"):
+        train_single.main(flags(corpus, tmp_path, max_steps=4, resume=True))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(data="/nonexistent/data"), "prepare_data.py"),
+    (dict(model="gpt5"), "unknown --model"),
+    (dict(global_batch=10, micro_batch=4), "not a multiple of --micro_batch"),
+])
+def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        train_single.main(flags(corpus, tmp_path, **bad))
