@@ -13,17 +13,20 @@ from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import gpt
 from prepare_data import get_tokenizer
 
 
+@record  # under torchrun, the error file names the failing rank with its traceback
 def main(argv=None):
     args = gpt.get_parser(__doc__).parse_args(argv)
 
     # ---- process groups: one process, one device; the data-parallel coordinates of the only rank
     rank, world_size, dp_rank, dp_size = 0, 1, 0, 1
     master = rank == 0
+    prefix = f"[rank {rank}] " if args.log_all_ranks else ""
     device = gpt.get_device(args.device)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
@@ -62,8 +65,8 @@ def main(argv=None):
     logger = gpt.MetricsLogger(args, enabled=master)
     flops_per_token = gpt.flops_per_token(config, model.num_params(with_position_embedding=False))
     peak_flops = gpt.peak_flops(device)
-    if master:
-        print(f"{args.model}: {model.num_params() / 1e6:.2f}M parameters | {world_size} rank on {device} | "
+    if master or args.log_all_ranks:
+        print(f"{prefix}{args.model}: {model.num_params() / 1e6:.2f}M parameters | {world_size} rank on {device} | "
               f"global batch {args.global_batch} = micro batch {micro_batch} x {train_data.accumulation} accumulation "
               f"x {dp_size} data-parallel | {'resuming at step ' + str(start_step) if start_step else 'from scratch'}")
 
@@ -92,15 +95,15 @@ def main(argv=None):
             loss_value = loss_sum.item()  # waits for the device: the step time below is real
             step_s = time.perf_counter() - t0
             tokens_per_s = args.global_batch * args.block_size / step_s
-            record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+            metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
                       "tokens_per_s": tokens_per_s,
                       "mfu": flops_per_token * tokens_per_s / (world_size * peak_flops) if peak_flops else None,
                       "peak_mem_mb": gpt.peak_memory_mb(device), "step_ms": 1000 * step_s}
             if val_loss is not None:
-                record["val_loss"] = val_loss
-            logger.log(record)
-            if master:
-                print(gpt.format_log(record) + (f" | val loss {val_loss:.4f}" if val_loss is not None else ""))
+                metrics["val_loss"] = val_loss
+            logger.log(metrics)
+            if master or args.log_all_ranks:
+                print(prefix + gpt.format_log(metrics) + (f" | val loss {val_loss:.4f}" if val_loss is not None else ""))
 
         # ---- checkpoint
         if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or last_step:
