@@ -1,0 +1,216 @@
+"""
+Side-by-side throughput, memory and communication of every strategy, ours against PyTorch's own.
+
+    python bench.py                                  # every strategy whose script exists, tiny model, CPU
+    python bench.py --strategies ddp,fsdp --steps 30 --rounds 3
+    python bench.py --model gpt2 --block_size 1024 --global_batch 32 --device cuda --dtype bfloat16 --compile
+
+Each run is a fresh `torchrun --standalone` of the training script for --steps optimizer steps. Runs are
+interleaved (round 1: ours, torch, ...; round 2: ours, torch, ...) so that drift of the machine hits both sides
+alike; a row reports the best round. Step time is the median over the steps after --warmup, excluding the one
+step that is profiled: that step's collectives are read from torch.profiler (the same record for our code, for
+DistributedDataParallel's C++ reducer and for DTensor's functional collectives) and turned into bytes sent per
+rank with the ring-algorithm factors, next to the formula each strategy should meet.
+On CPU, ranks get one thread each; so does the single-device baseline the scaling efficiency is measured against.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+import gpt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
+
+
+def payload_bytes(event):
+    dims, types = event["args"].get("Input Dims", []), event["args"].get("Input type", [])
+    total = 0
+    for shape, dtype in zip(dims, types):
+        count = 1
+        for n in shape:
+            count *= n
+        total += count * BYTES.get(dtype, 4)
+    return total
+
+
+def wire_bytes(kind, payload, n):
+    """Bytes one rank sends in a ring implementation: all-reduce 2(N-1)/N of the tensor, all-gather (N-1)x its
+    input shard, reduce-scatter (N-1)/N of its input, broadcast the tensor."""
+    if n == 1:
+        return 0
+    return {"all_reduce": 2 * (n - 1) / n * payload, "allreduce": 2 * (n - 1) / n * payload,
+            "all_gather": (n - 1) * payload, "allgather": (n - 1) * payload,
+            "reduce_scatter": (n - 1) / n * payload}.get(kind, payload)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The worker: runs inside each torchrun rank, wraps the script's main() with a profiler over one step
+
+
+def worker(script, argv, profile_step, out_path):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities, record_shapes=True)
+    steps = {"done": 0}
+
+    def after_optimizer_step(optimizer, args, kwargs):
+        # The collectives of step s run during its backward, before optimizer.step: profile from the end of
+        # step s-1 to the end of step s.
+        steps["done"] += 1
+        if steps["done"] == profile_step:
+            profiler.start()
+        elif steps["done"] == profile_step + 1:
+            profiler.stop()
+
+    register_optimizer_step_post_hook(after_optimizer_step)
+    spec = importlib.util.spec_from_file_location("bench_target", os.path.join(HERE, script))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(argv)
+    if int(os.environ.get("RANK", 0)) == 0:
+        trace = out_path + ".trace.json"
+        profiler.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+        os.remove(trace)
+        collectives = [{"kind": e["name"].split(":", 1)[1], "bytes": payload_bytes(e)} for e in events
+                       if e.get("name", "").startswith(("gloo:", "nccl:"))]
+        with open(out_path, "w") as f:
+            json.dump(collectives, f)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The driver
+
+
+def strategies(args):
+    """name -> (script, ranks, extra flags, impls, group size of its collectives, formula bytes per step)."""
+    meta = gpt.ensure_data(args.data, is_writer=True)
+    config = gpt.make_config(args.model, meta["vocab_size"], args.block_size)
+    with torch.device("meta"):
+        n_params = gpt.GPT(config).num_params()
+    param_bytes = 4 * n_params  # float32 master weights and gradients
+    activations = args.global_batch * args.block_size * config.n_embd * (2 if args.dtype == "bfloat16" else 4)
+    ring = lambda n, factor: factor * (n - 1) / n
+    return {
+        "single": ("train_single.py", 1, [], [None], 1, lambda n: 0),
+        "ddp": ("train_ddp.py", 2, ["--bucket_mb", str(args.bucket_mb)], ["ours", "torch"], 2,
+                lambda n: ring(n, 2) * param_bytes),
+        "fsdp": ("train_fsdp.py", 2, [], ["ours", "torch"], 2,
+                 lambda n: ring(n, 3) * param_bytes),
+        # Per block: 2 all-reduces forward and 2 backward of the [batch, seq, d_model] activations.
+        "tp": ("train_tp.py", 2, ["--tp", "2"], ["ours", "torch"], 2,
+               lambda n: 4 * config.n_layer * ring(n, 2) * activations),
+        "2d": ("train_2d.py", 4, ["--tp", "2", "--dp", "2"], ["ours", "torch"], 2,
+               lambda n: ring(n, 3) * param_bytes / 2 + 4 * config.n_layer * ring(n, 2) * activations / 2),
+    }
+
+
+def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, tmp):
+    out_dir = os.path.join(tmp, f"{name}-{impl}-{ranks}-{global_batch}")
+    comms_path = out_dir + ".comms.json"
+    flags = ["--model", args.model, "--data", args.data, "--block_size", str(args.block_size),
+             "--global_batch", str(global_batch), "--max_steps", str(args.steps), "--warmup_steps", "5",
+             "--eval_interval", "0", "--log_interval", "1", "--ckpt_interval", "0", "--sample_tokens", "0",
+             "--device", args.device, "--dtype", args.dtype, "--out_dir", out_dir] + extra
+    flags += ["--compile"] if args.compile else []
+    flags += ["--impl", impl] if impl else []
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               os.path.abspath(__file__), "--worker", script, "--profile_step", str(args.steps - 1),
+               "--comms_out", comms_path, "--"] + flags
+    result = subprocess.run(command, env=env, cwd=HERE, capture_output=True, text=True)
+    if result.returncode:
+        print(result.stdout[-2000:] + "\n".join(l for l in result.stderr.splitlines() if not l.startswith("W1"))[-6000:])
+        raise SystemExit(f"{name} ({impl}) failed: {' '.join(command)}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    timed = [r for r in records if args.warmup <= r["step"] < args.steps - 2]
+    step_ms = statistics.median(r["step_ms"] for r in timed)
+    with open(comms_path) as f:
+        collectives = json.load(f)
+    return {"tokens_per_s": global_batch * args.block_size / (step_ms / 1000), "step_ms": step_ms,
+            "peak_mem_mb": max(r["peak_mem_mb"] for r in records), "mfu": timed[-1]["mfu"],
+            "comm_bytes": sum(wire_bytes(c["kind"], c["bytes"], group_size) for c in collectives),
+            "collectives": len(collectives)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategies", default="single,ddp,fsdp,tp,2d")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--data", default=gpt.DEFAULT_DATA_DIR)
+    p.add_argument("--block_size", type=int, default=128)
+    p.add_argument("--global_batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--bucket_mb", type=float, default=25)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (and for the single baseline)")
+    p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--profile_step", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--comms_out", help=argparse.SUPPRESS)
+    args, rest = p.parse_known_args()
+    if args.worker:
+        return worker(args.worker, rest[1:] if rest[:1] == ["--"] else rest, args.profile_step, args.comms_out)
+
+    table = strategies(args)
+    chosen = [s for s in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[s][0]))]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.rounds):
+            for name in chosen:
+                script, ranks, extra, impls, group_size, _formula = table[name]
+                for impl in impls:
+                    row = run_once(args, name, script, ranks, extra, impl, group_size, args.global_batch, tmp)
+                    runs.setdefault((name, impl, ranks), []).append(row)
+                if name == "ddp":  # the scaling baseline: one rank at the same per-rank batch
+                    row = run_once(args, "single", "train_single.py", 1, [], None, 1, args.global_batch // ranks, tmp)
+                    runs.setdefault(("single/rank", None, 1), []).append(row)
+    best = {key: max(rows, key=lambda r: r["tokens_per_s"]) for key, rows in runs.items()}
+
+    print(f"\n{args.model}, block {args.block_size}, global batch {args.global_batch}, {args.device} {args.dtype}, "
+          f"{args.threads} thread(s) a rank, best of {args.rounds} rounds, median of steps {args.warmup}..{args.steps - 3}")
+    header = f"{'strategy':12} {'impl':6} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} " \
+             f"{'comm MB/step':>12} {'formula MB':>10} {'colls':>6}"
+    print(header + "\n" + "-" * len(header))
+    for (name, impl, ranks), row in best.items():
+        formula = table[name][5](table[name][4]) if name in table else 0
+        mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+        print(f"{name:12} {impl or '-':6} {ranks:5d} {row['tokens_per_s']:9,.0f} {row['step_ms']:8.1f} "
+              f"{row['peak_mem_mb']:8,.0f} {mfu:>6} {row['comm_bytes'] / 2**20:12.2f} {formula / 2**20:10.2f} "
+              f"{row['collectives']:6d}")
+    print()
+    for name in chosen:
+        ours, torch_row = best.get((name, "ours", table[name][1])), best.get((name, "torch", table[name][1]))
+        if ours and torch_row:
+            print(f"{name}: ours/torch tokens/s {ours['tokens_per_s'] / torch_row['tokens_per_s']:.3f}, "
+                  f"peak memory {ours['peak_mem_mb'] / torch_row['peak_mem_mb']:.3f}")
+    if ("single/rank", None, 1) in best and ("ddp", "ours", 2) in best:
+        for impl in ("ours", "torch"):
+            scaling = best[("ddp", impl, 2)]["tokens_per_s"] / (2 * best[("single/rank", None, 1)]["tokens_per_s"])
+            print(f"ddp {impl}: scaling efficiency on 2 ranks vs 1 rank at the same per-rank batch {scaling:.3f}")
+    print("note: gloo runs reduce_scatter_tensor as an all-reduce of the whole input (its profiler trace shows "
+          "gloo:all_reduce), so FSDP's measured bytes on CPU exceed the ring formula; NCCL does not.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dict(strategy=k[0], impl=k[1], ranks=k[2], **v) for k, v in best.items()], f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
