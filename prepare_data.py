@@ -53,7 +53,8 @@ class GPT2Tokenizer:
             self.encoding = tiktoken.get_encoding("gpt2")
         except Exception as error:
             raise SystemExit(f"could not load tiktoken's gpt2 BPE files ({type(error).__name__}): they are downloaded "
-                             "on first use. Use --tokenizer byte, or set TIKTOKEN_CACHE_DIR to a folder that holds them.")
+                             "on first use. Use --tokenizer byte, or set TIKTOKEN_CACHE_DIR to a folder that holds them; "
+                             f"{OFFLINE_OPTIONS}")
         self.eot = self.encoding.eot_token
 
     def encode(self, text):
@@ -128,7 +129,6 @@ def check_network(host):
 
 
 def prepare_shakespeare(out_dir, tokenizer):
-    check_network("raw.githubusercontent.com")
     with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as response:
         text = response.read().decode("utf-8")
     cut = int(0.9 * len(text))
@@ -163,7 +163,6 @@ def tokenize_dataset(dataset, tokenizer, num_proc, out_dir, source, val_fraction
 
 
 def prepare_hub(name, out_dir, tokenizer, num_proc, val_fraction):
-    check_network("huggingface.co")
     import datasets
 
     dataset = datasets.load_dataset(**HF_DATASETS[name], split="train", num_proc=num_proc)
@@ -204,6 +203,8 @@ def main(argv=None):
         if args.tokenizer not in (None, "byte"):
             raise SystemExit("the embedded default corpus uses the byte tokenizer; pass --input for gpt2 on local text")
         return prepare_default(out_dir)
+    if not args.input:
+        check_network("raw.githubusercontent.com" if name == "shakespeare" else "huggingface.co")
     tokenizer = get_tokenizer(args.tokenizer or "gpt2")
     if args.input:
         meta = prepare_local(args.input, out_dir, tokenizer, args.num_proc, args.val_fraction)

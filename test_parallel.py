@@ -8,6 +8,7 @@ Every strategy is held to train_single.py: same data, same initial weights, same
 several optimizer steps, in float32 on CPU, within reduction-order noise (TOLERANCE below).
 """
 
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -29,6 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt  # noqa: E402
 import prepare_data  # noqa: E402
 import train_single  # noqa: E402
+
+# @record (torch.distributed.elastic) wants a real stderr for its fault handler; pytest's capture has none.
+pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 
 # ------------------------------------------------------------------------------------------------------------
 # Harness: run a function on N gloo ranks, as forked workers or on the world torchrun launched
@@ -355,6 +359,19 @@ def test_prepare_data_missing_input_is_a_clear_error(tmp_path):
         prepare_data.main(["--input", str(tmp_path / "nope"), "--tokenizer", "byte", "--out_dir", str(tmp_path)])
 
 
+def test_download_without_network_fails_at_once_naming_offline_options(tmp_path, monkeypatch):
+    def unreachable(*args, **kwargs):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    for dataset in ("shakespeare", "openwebtext", "fineweb-edu"):
+        start = time.time()
+        with pytest.raises(SystemExit, match="--input PATH"):
+            prepare_data.main(["--dataset", dataset, "--out_dir", str(tmp_path)])
+        assert time.time() - start < 5
+    assert not os.path.exists(tmp_path / "meta.json")
+
+
 def test_default_corpus(corpus):
     meta = gpt.load_meta(corpus)
     assert meta["tokenizer"] == "byte" and meta["train_tokens"] > 10_000_000 and meta["val_tokens"] > 100_000
@@ -376,6 +393,26 @@ def test_loss_falls_on_the_default_corpus(corpus, tmp_path):
     assert first["val_loss"] > 5.0 and last["val_loss"] < 3.6
     assert set(last) >= {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "step_ms"}
     assert last["mfu"] is None and last["tokens_per_s"] > 0 and last["peak_mem_mb"] > 0
+
+
+def test_bfloat16_autocast_and_sampling(corpus, tmp_path, capsys):
+    train_single.main(flags(corpus, tmp_path, dtype="bfloat16", max_steps=2, micro_batch=8, sample_tokens=16))
+    losses, weights = read_run(str(tmp_path))
+    assert all(math.isfinite(loss) for loss in losses)
+    assert all(w.dtype == np.float32 for w in weights.values())  # master weights stay float32
+    assert "sample:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, package, message", [
+    (dict(tensorboard=True), "tensorboard", "pip install tensorboard"),
+    (dict(wandb=True), "wandb", "pip install wandb"),
+    (dict(attn="flash"), None, "--attn flash"),  # flash-attn missing, or present but no CUDA: an error either way
+])
+def test_missing_optional_package_is_a_clear_error(corpus, tmp_path, extra, package, message):
+    if package and importlib.util.find_spec(package):
+        pytest.skip(f"{package} is installed")
+    with pytest.raises(RuntimeError, match=message):
+        train_single.main(flags(corpus, tmp_path, max_steps=1, **extra))
 
 
 class Crash(Exception):
