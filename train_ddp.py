@@ -1,0 +1,263 @@
+"""
+Data parallel, by hand: every rank holds the whole model and trains on its own rows of the global batch; gradients
+are averaged over the ranks by bucketed all-reduces that overlap the backward pass.
+
+    torchrun --standalone --nproc_per_node=2 train_ddp.py                   # tiny model, embedded default corpus
+    torchrun --nproc_per_node=8 train_ddp.py --model gpt2 --data data/openwebtext --block_size 1024 --dtype bfloat16 --compile
+    torchrun --standalone --nproc_per_node=2 train_ddp.py --impl torch      # the same loop with PyTorch's DDP
+
+Reads top to bottom: arguments -> process groups -> model -> strategy -> loop -> checkpoint.
+"""
+
+import functools
+import itertools
+import os
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+
+import gpt
+from prepare_data import get_tokenizer
+
+
+class Bucket:
+    """Parameters whose gradients live in one flat buffer and travel in one all-reduce."""
+
+    def __init__(self, named_params):
+        self.names, self.params = [name for name, _ in named_params], [p for _, p in named_params]
+        self.buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=self.params[0].dtype,
+                                  device=self.params[0].device)
+        pieces = self.buffer.split([p.numel() for p in self.params])
+        self.grads = [piece.view_as(p) for piece, p in zip(pieces, self.params)]
+        self.ready = set()  # parameters whose gradient this backward has finished accumulating
+        self.work = None  # the all-reduce in flight
+
+    def is_full(self):
+        return len(self.ready) == len(self.params)
+
+
+class DataParallel(nn.Module):
+    """Wraps any module so that, after backward, every parameter's .grad is the mean of the ranks' gradients.
+
+    Gradients live in flat buckets of at most bucket_mb MiB, filled in the order backward produces them (the
+    reverse of registration order), and every param.grad is a view into its bucket: a bucket is all-reduced in
+    place, with no copy in or out. As soon as backward has accumulated a bucket's last gradient, its all-reduce
+    starts asynchronously and overlaps the rest of backward; one callback at the end of backward waits for them
+    all. Inside no_sync() gradients only accumulate. Zero gradients in place (zero_grad(set_to_none=False)):
+    set_to_none drops the views, and each gradient then costs a copy back into its bucket.
+    """
+
+    def __init__(self, module, bucket_mb=25, process_group=None):
+        super().__init__()
+        self.module = module
+        self.process_group = process_group or dist.group.WORLD
+        with torch.no_grad():  # replicas that start apart would never meet again
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                dist.broadcast(tensor, dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        # named_parameters() lists a shared (tied) parameter once, so it is reduced once; frozen ones are left alone.
+        trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.buckets, group, size = [], [], 0
+        for name, param in reversed(trainable):
+            nbytes = param.numel() * param.element_size()
+            if group and (size + nbytes > bucket_mb * 2**20 or param.dtype != group[0][1].dtype):  # one dtype a buffer
+                self.buckets.append(Bucket(group))
+                group, size = [], 0
+            group.append((name, param))
+            size += nbytes
+        if group:
+            self.buckets.append(Bucket(group))
+        for bucket in self.buckets:
+            for param, grad in zip(bucket.params, bucket.grads):
+                param.grad = grad
+                param.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, bucket, grad))
+        self.require_sync = True
+        self.next_bucket = 0  # launched in order: every rank issues the same all-reduces in the same order
+        self.callback_queued = False
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate gradients; the first backward outside all-reduces the sum."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def _grad_ready(self, bucket, grad, param):
+        """Post-accumulate-grad hook: runs once a backward, after param.grad holds the whole of this pass's gradient."""
+        if param.grad is not grad:  # zero_grad(set_to_none=True) dropped the view: back into the bucket
+            grad.copy_(param.grad)
+            param.grad = grad
+        if not self.require_sync:
+            return
+        if not self.callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self.callback_queued = True
+        bucket.ready.add(param)
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].is_full():
+            launch = self.buckets[self.next_bucket]
+            launch.work = dist.all_reduce(launch.buffer, op=dist.ReduceOp.AVG, group=self.process_group, async_op=True)
+            self.next_bucket += 1
+
+    def _finish_backward(self):
+        """Runs once backward has finished: waiting here, not in a hook, leaves backward free to run ahead."""
+        launched, self.next_bucket, self.callback_queued = self.next_bucket, 0, False
+        unused = [name for bucket in self.buckets[launched:]
+                  for name, param in zip(bucket.names, bucket.params) if param not in bucket.ready]
+        for bucket in self.buckets:
+            bucket.ready.clear()
+        if unused:
+            raise RuntimeError(f"parameters {unused} received no gradient in this backward pass, so their bucket's "
+                               "all-reduce cannot start and every rank would wait for it; use them in forward, or "
+                               "set requires_grad=False on them before wrapping the module")
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.work = None
+
+
+def get_parser():
+    parser = gpt.get_parser(__doc__)
+    parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
+                        help="ours: DataParallel above; torch: torch.nn.parallel.DistributedDataParallel")
+    parser.add_argument("--bucket_mb", type=float, default=25, help="largest gradient bucket, in MiB")
+    return parser
+
+
+@record  # under torchrun, the error file names the failing rank with its traceback
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+
+    # ---- process groups: every rank is one data-parallel rank holding the whole model
+    owns_group = not dist.is_initialized()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = gpt.get_device(args.device, local_rank)
+    dp_rank, dp_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+    # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
+    meta = gpt.ensure_data(args.data, is_writer=local_rank == 0)
+    micro_batch = args.micro_batch or args.global_batch // dp_size
+    train_data, val_data = (gpt.BatchSampler(os.path.join(args.data, f"{split}.bin"), args.block_size, args.global_batch,
+                                             micro_batch, dp_rank, dp_size, args.seed, device) for split in ("train", "val"))
+    config = gpt.make_config(args.model, meta["vocab_size"], args.block_size, args.dropout)
+    checkpoint_path = gpt.latest_checkpoint(args.out_dir)
+    if checkpoint_path and not args.resume:
+        raise SystemExit(f"{args.out_dir!r} already holds {checkpoint_path!r}: pass --resume to continue it, "
+                         "or choose another --out_dir")
+
+    if owns_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    fingerprints = [None] * world_size
+    dist.all_gather_object(fingerprints, gpt.fingerprint(args, __file__))
+    gpt.check_fingerprints(fingerprints)
+    if (rank, world_size) != (dp_rank, dp_size):  # the samplers above took their rows from the environment
+        raise RuntimeError(f"RANK, WORLD_SIZE = {dp_rank}, {dp_size} but the process group has {rank}, {world_size}")
+    master = rank == 0
+    prefix = f"[rank {rank}] " if args.log_all_ranks else ""
+    torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
+
+    # ---- model: built on meta, materialised on the device, initialised by parameter name
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    model.to_empty(device=device)
+    model.init_weights(args.seed)
+    gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
+
+    # ---- strategy: a whole replica on every rank, gradients averaged over the ranks during backward
+    if args.impl == "torch":
+        ddp_model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                            bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+    else:
+        ddp_model = DataParallel(model, args.bucket_mb)
+    slots = [gpt.whole_slot(name, param) for name, param in model.named_parameters()]
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = gpt.make_optimizer(decay, no_decay, args, device)
+    forward = torch.compile(ddp_model) if args.compile else ddp_model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
+
+    start_step = 0
+    if args.resume and checkpoint_path:
+        checkpoint = gpt.Checkpoint(checkpoint_path)
+        gpt.load_checkpoint(checkpoint, slots, optimizer, config)
+        gpt.set_rng_state(checkpoint.rng_state(rank), device)
+        start_step = checkpoint.meta["step"]
+    logger = gpt.MetricsLogger(args, enabled=master)
+    flops_per_token = gpt.flops_per_token(config, model.num_params(with_position_embedding=False))
+    peak_flops = gpt.peak_flops(device)
+    if master or args.log_all_ranks:
+        print(f"{prefix}{args.model}: {model.num_params() / 1e6:.2f}M parameters | {world_size} ranks on {device} | "
+              f"global batch {args.global_batch} = micro batch {micro_batch} x {train_data.accumulation} accumulation "
+              f"x {dp_size} data-parallel | {'resuming at step ' + str(start_step) if start_step else 'from scratch'}")
+
+    # ---- loop
+    for step in range(start_step, args.max_steps):
+        last_step = step + 1 == args.max_steps
+        val_loss = None
+        if args.eval_interval and (step % args.eval_interval == 0 or last_step):
+            val_loss = gpt.estimate_loss(forward, val_data, args.eval_iters, autocast)
+            dist.all_reduce(val_loss, op=dist.ReduceOp.AVG)
+            val_loss = val_loss.item()
+        t0 = time.perf_counter()
+        lr = gpt.get_lr(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(train_data.accumulation):
+            x, y = train_data.get(step, micro_step)
+            # Only the last micro-step's backward all-reduces; the ones before accumulate locally.
+            with nullcontext() if micro_step + 1 == train_data.accumulation else ddp_model.no_sync():
+                with autocast:
+                    loss = forward(x, y) / train_data.accumulation  # gradient of the mean over the global batch
+                loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # in place: the gradients are views into the all-reduce buckets
+
+        if step % args.log_interval == 0 or last_step or val_loss is not None:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # each rank summed only its own rows
+            loss_value = loss_sum.item()  # waits for the device: the step time below is real
+            step_s = time.perf_counter() - t0
+            tokens_per_s = args.global_batch * args.block_size / step_s
+            metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+                      "tokens_per_s": tokens_per_s,
+                      "mfu": flops_per_token * tokens_per_s / (world_size * peak_flops) if peak_flops else None,
+                      "peak_mem_mb": gpt.peak_memory_mb(device), "step_ms": 1000 * step_s}
+            if val_loss is not None:
+                metrics["val_loss"] = val_loss
+            logger.log(metrics)
+            if master or args.log_all_ranks:
+                print(prefix + gpt.format_log(metrics) + (f" | val loss {val_loss:.4f}" if val_loss is not None else ""))
+
+        # ---- checkpoint: every replica holds everything, so rank 0 alone writes the tensors
+        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or last_step:
+            tensors = gpt.checkpoint_tensors(slots if master else [], optimizer)
+            gpt.save_shard(args.out_dir, step + 1, rank, tensors, gpt.rng_state(device))
+            dist.barrier()
+            if master:
+                gpt.publish_checkpoint(args.out_dir, step + 1, world_size, {"config": asdict(config), "args": vars(args)})
+            dist.barrier()
+
+    if args.sample_tokens and master:
+        tokenizer = get_tokenizer(meta["tokenizer"])
+        prompt = torch.tensor([tokenizer.encode("\n")], device=device)
+        with autocast:
+            out = gpt.generate(model, prompt, args.sample_tokens, config.block_size, seed=args.seed)
+        print("sample:\n" + tokenizer.decode(out[0].tolist()))
+    if owns_group:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
