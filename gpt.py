@@ -417,7 +417,8 @@ class Checkpoint:
         """Refuse, before anything is loaded, a checkpoint of another model or one with missing pieces."""
         if self.meta["config"] != asdict(config):
             raise ValueError(f"checkpoint {self.path!r} is of another model: {self.meta['config']} "
-                             f"vs this run's {asdict(config)}; use a new --out_dir or the same --model")
+                             f"vs this run's {asdict(config)}; use a new --out_dir, or the --model, --block_size "
+                             "and --dropout it was saved with")
         for name, shape in shapes.items():
             pieces = self.pieces.get(name)
             if not pieces or tuple(pieces[0]["shape"]) != tuple(shape):
@@ -589,13 +590,18 @@ def fingerprint(args, script):
 
 def check_fingerprints(fingerprints):
     """fingerprints: every rank's fingerprint(), all-gathered. Raises on every rank alike, naming the ranks
-    that differ from rank 0."""
-    for key, what in (("code", "code (script or gpt.py)"), ("args", "arguments")):
-        differ = [rank for rank, f in enumerate(fingerprints) if f[key] != fingerprints[0][key]]
-        if differ:
-            detail = "" if key == "code" else f": rank 0 has {fingerprints[0][key]}, rank {differ[0]} has {fingerprints[differ[0]][key]}"
-            raise RuntimeError(f"ranks {differ} run other {what} than rank 0{detail}; launch every rank with the "
-                               "same files and flags")
+    that differ from rank 0 and, for arguments, the flags that differ."""
+    differ = [rank for rank, f in enumerate(fingerprints) if f["code"] != fingerprints[0]["code"]]
+    if differ:
+        raise RuntimeError(f"ranks {differ} run other code (script or gpt.py) than rank 0; launch every rank with "
+                           "the same files and flags")
+    differ = [rank for rank, f in enumerate(fingerprints) if f["args"] != fingerprints[0]["args"]]
+    if differ:
+        ours, theirs = json.loads(fingerprints[0]["args"]), json.loads(fingerprints[differ[0]]["args"])
+        flags = ", ".join(f"--{key} {ours.get(key)} vs {theirs.get(key)}" for key in sorted(ours.keys() | theirs.keys())
+                          if ours.get(key) != theirs.get(key))
+        raise RuntimeError(f"ranks {differ} run other arguments than rank 0 (rank 0 vs rank {differ[0]}: {flags}); "
+                           "launch every rank with the same files and flags")
 
 
 class MetricsLogger:

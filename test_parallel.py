@@ -8,12 +8,15 @@ Every strategy is held to train_single.py: same data, same initial weights, same
 several optimizer steps, in float32 on CPU, within reduction-order noise (TOLERANCE below).
 """
 
+import contextlib
 import importlib.util
 import json
 import math
 import multiprocessing
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -26,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
 import gpt  # noqa: E402
 import prepare_data  # noqa: E402
@@ -806,3 +810,300 @@ def test_ddp_wrapper_on_subgroups():
     """process_group: two pairs of ranks, each broadcast from its own first rank and averaged only within itself,
     as train_2d.py's data-parallel groups would use it."""
     assert run_distributed(4, _wrapper_on_subgroups) == [True] * 4
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Running for real: launches through torchrun as a user would, on one machine, CPU and gloo. Two launches
+# rendezvous as two nodes; a worker killed mid-run ends the job and `--resume` finishes it; torchrun's
+# `--max-restarts` restarts a killed worker from its checkpoint; mismatched flags or code and a stuck rank end
+# the job with a message instead of a hang; a broken checkpoint is refused on every rank.
+#
+# Faults are injected by a small wrapper script (written to the test's tmp_path) that patches gpt.get_lr,
+# which every script calls once at the start of every optimizer step, and then runs the real script with runpy:
+# the script's own file is what runs and what its code fingerprint hashes.
+
+launches_its_own_ranks = pytest.mark.skipif(LAUNCHED_WORLD > 1, reason="launches torchrun or forks ranks itself")
+
+LAUNCH_TIMEOUT_S = 120  # a whole launch; a hang fails the test instead of the suite
+COLLECTIVE_TIMEOUT_S = 20  # --timeout of the launched runs: a failure must end the job well before it
+KILL_STEP = 3  # with --ckpt_interval 2 the latest checkpoint is then step 2's: steps 2 and 3 are redone
+
+
+def _descendants(pid):
+    """Every process below pid. torchrun starts each worker in its own session, so killing the launcher's
+    process group would leave them running."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@contextlib.contextmanager
+def launcher(tmp_path):
+    """Yields start(*torchrun_args) -> Launch. On leaving, whatever is still running is killed, workers
+    included, so a failed test never leaves a process behind."""
+    launches = []
+
+    def start(*torchrun_args, **env_overrides):
+        log = open(tmp_path / f"launch{len(launches)}.log", "w+")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_overrides)  # one thread a rank
+        process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun_args], cwd=HERE,
+                                   stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        launches.append(Launch(process, log))
+        return launches[-1]
+
+    try:
+        yield start
+    finally:
+        for launch in launches:
+            if launch.process.poll() is None:
+                for pid in _descendants(launch.process.pid) + [launch.process.pid]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                launch.process.wait()
+            launch.log.close()
+
+
+class Launch:
+    def __init__(self, process, log):
+        self.process, self.log = process, log
+
+    def wait(self, timeout=LAUNCH_TIMEOUT_S):
+        """(exit code, everything torchrun and its workers printed, time of exit)."""
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"launch still running after {timeout}s:\n{self.output()[-5000:]}")
+        return code, self.output(), time.time()
+
+    def output(self):
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+
+def standalone(nproc, script, argv, *options):
+    return ("--standalone", f"--nproc-per-node={nproc}", *options, script, *argv)
+
+
+FAULT_WRAPPER = '''
+import os, runpy, signal, sys, time
+sys.path.insert(0, {repo!r})
+import gpt
+
+rank = int(os.environ["RANK"])
+real_get_lr = gpt.get_lr
+
+
+def get_lr(step, args):
+    if rank == {rank} and step == {step} and not os.path.exists({marker!r}):
+        with open({marker!r}, "w") as f:  # once: a restarted worker runs clean; the time tells when it struck
+            f.write(str(time.time()))
+        {fault}
+    return real_get_lr(step, args)
+
+
+gpt.get_lr = get_lr
+script = {script!r}
+if rank == {rank}:
+    sys.argv += {extra_argv!r}
+    script = {stale_script!r} or script
+sys.argv[0] = script
+runpy.run_path(script, run_name="__main__")
+'''
+
+FAULTS = {"kill": "os.kill(os.getpid(), signal.SIGKILL)", "hang": "time.sleep(3600)", "none": "pass"}
+
+
+def fault_wrapper(tmp_path, script="train_ddp.py", rank=1, step=KILL_STEP, fault="none", extra_argv=(),
+                  stale_script=""):
+    """A script that runs `script` on every rank and, on `rank`, injects `fault` at the start of `step` (once
+    per marker file), adds `extra_argv` to its flags, or runs `stale_script` instead."""
+    path = tmp_path / f"fault_{fault}.py"
+    marker = str(tmp_path / f"fault_{fault}.marker")
+    path.write_text(FAULT_WRAPPER.format(repo=HERE, rank=rank, step=step, marker=marker, fault=FAULTS[fault],
+                                         extra_argv=list(extra_argv), script=os.path.join(HERE, script),
+                                         stale_script=stale_script))
+    return str(path), marker
+
+
+def fault_time(marker):
+    with open(marker) as f:
+        return float(f.read())
+
+
+def resumed_records(out_dir):
+    """metrics.jsonl records written after the last restart: a resumed run starts over at its checkpoint's step."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    starts = [i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"]]
+    return records[starts[-1]:] if starts else records
+
+
+def uninterrupted_ddp(corpus, tmp_path_factory):
+    """train_ddp.py on 2 forked gloo ranks, never interrupted (test_parallel's cached run): what a run that
+    crashed and resumed must equal, bit for bit, having the same ranks, threads and reduction order. Its
+    checkpoint interval differs from the crashed runs', which changes nothing but what is saved on the way."""
+    return ddp_run(corpus, tmp_path_factory, 2)[0]
+
+
+def assert_identical(run, reference):
+    assert run.losses == reference.losses and run.grad_norms == reference.grad_norms
+    assert run.weights.keys() == reference.weights.keys()
+    for name in reference.weights:
+        assert np.array_equal(run.weights[name], reference.weights[name]), name
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Several nodes
+
+
+@launches_its_own_ranks
+def test_two_nodes_rendezvous_and_match_single_node(corpus, tmp_path, tmp_path_factory):
+    """Two torchrun launches, one rank each, meet through the c10d rendezvous as two nodes would, and compute
+    bit for bit what two ranks on one node compute, and what train_single computes within TOLERANCE."""
+    port = _free_port()
+    argv = flags(corpus, tmp_path / "out")
+    node = ("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=two-nodes", "train_ddp.py", *argv)
+    with launcher(tmp_path) as start:
+        nodes = [start(*node), start(*node)]
+        outcomes = [launch.wait() for launch in nodes]
+    for code, output, _ in outcomes:
+        assert code == 0, output[-5000:]
+    assert "2 rank" in "".join(output for _, output, _ in outcomes)
+    run = read_run(str(tmp_path / "out"))
+    assert_identical(run, uninterrupted_ddp(corpus, tmp_path_factory))
+    assert_runs_match(run, single_run(corpus, tmp_path_factory))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A worker dies
+
+
+@launches_its_own_ranks
+def test_killed_worker_ends_the_job_then_resume_finishes_it(corpus, tmp_path, tmp_path_factory):
+    """The resumed run goes through forked gloo workers rather than a second torchrun: the same ranks and
+    threads, seconds faster to start."""
+    out_dir = tmp_path / "out"
+    argv = flags(corpus, out_dir, ckpt_interval=2, timeout=COLLECTIVE_TIMEOUT_S)
+    wrapper, marker = fault_wrapper(tmp_path, fault="kill")
+    with launcher(tmp_path) as start:
+        code, output, ended = start(*standalone(2, wrapper, argv)).wait()
+    seconds = ended - fault_time(marker)
+    print(f"\nkilled rank 1 at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
+    assert code != 0
+    assert seconds < COLLECTIVE_TIMEOUT_S, output[-5000:]
+    root_cause = output.split("Root Cause")[-1]
+    assert "rank      : 1 (local_rank: 1)" in root_cause and "SIGKILL" in root_cause, output[-5000:]
+    assert gpt.latest_checkpoint(str(out_dir)).endswith("ckpt-0000002")
+
+    run_distributed(2, train_ddp.main, argv + ["--resume"])
+    assert [r["step"] for r in resumed_records(out_dir)] == [2, 3, 4, 5]
+    assert_identical(read_run(str(out_dir)), uninterrupted_ddp(corpus, tmp_path_factory))
+
+
+@launches_its_own_ranks
+def test_elastic_restart_resumes_from_the_checkpoint(corpus, tmp_path, tmp_path_factory):
+    """--resume from the first launch: the first attempt starts fresh, the restarted one resumes.
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: since torch 2.5 the workers share the rendezvous' TCPStore, and a
+    restarted worker group can read the previous attempt's addresses from it (pytorch/pytorch#135712): on
+    torch 2.13 + gloo the restarted ranks fail in init_process_group with "Gloo connectFullMesh failed ...
+    Connection refused" without it."""
+    out_dir = tmp_path / "out"
+    argv = flags(corpus, out_dir, ckpt_interval=2, timeout=COLLECTIVE_TIMEOUT_S, resume=True)
+    wrapper, marker = fault_wrapper(tmp_path, fault="kill")
+    with launcher(tmp_path) as start:
+        code, output, _ = start(*standalone(2, wrapper, argv, "--max-restarts=1"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1").wait()
+    assert code == 0, output[-5000:]
+    assert os.path.exists(marker), "the fault never struck"
+    assert "from scratch" in output and "resuming at step 2" in output
+    assert [r["step"] for r in resumed_records(out_dir)] == [2, 3, 4, 5]
+    assert_identical(read_run(str(out_dir)), uninterrupted_ddp(corpus, tmp_path_factory))
+
+
+@launches_its_own_ranks
+def test_stuck_rank_makes_the_others_time_out(corpus, tmp_path):
+    """A rank that stops taking part (a deadlock, a stalled link) ends the job after --timeout, not never."""
+    timeout = 5
+    argv = flags(corpus, tmp_path / "out", timeout=timeout)
+    wrapper, marker = fault_wrapper(tmp_path, fault="hang")
+    with launcher(tmp_path) as start:
+        code, output, ended = start(*standalone(2, wrapper, argv)).wait()
+    seconds = ended - fault_time(marker)
+    print(f"\nrank 1 stuck at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
+    assert code != 0
+    assert timeout <= seconds < timeout + 15, output[-5000:]
+    root_cause = output.split("Root Cause")[-1]
+    assert "rank      : 0 (local_rank: 0)" in root_cause and "Timed out" in root_cause, output[-5000:]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Ranks that disagree, checkpoints that are broken
+
+
+@launches_its_own_ranks
+@pytest.mark.parametrize("disagreement", ["arguments", "code"])
+def test_ranks_that_disagree_stop_at_start(corpus, tmp_path, disagreement):
+    """Other flags or a stale copy of the script on one rank: every rank stops before training, naming it."""
+    argv = flags(corpus, tmp_path / "out", timeout=COLLECTIVE_TIMEOUT_S)
+    if disagreement == "arguments":
+        wrapper, _ = fault_wrapper(tmp_path, extra_argv=["--lr", "0.002"])
+    else:
+        stale = tmp_path / "train_ddp.py"
+        stale.write_text(open(os.path.join(HERE, "train_ddp.py")).read() + "# one line more than on rank 0\n")
+        wrapper, _ = fault_wrapper(tmp_path, stale_script=str(stale))
+    with launcher(tmp_path) as start:
+        began = time.time()
+        code, output, ended = start(*standalone(2, wrapper, argv)).wait()
+    print(f"\n{disagreement} differ on rank 1: torchrun exited {code} {ended - began:.1f}s after launch")
+    assert code != 0
+    assert f"ranks [1] run other {disagreement}" in output, output[-5000:]
+    assert "step     0" not in output
+    assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")
+
+
+def _resume_refused(argv):
+    """train_ddp.main(argv) on this rank; returns the message of the error it stops with."""
+    try:
+        train_ddp.main(argv)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+@launches_its_own_ranks
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", "unreadable"),
+    ("other_model", "another model"),
+])
+def test_broken_checkpoint_is_refused_on_every_rank(corpus, tmp_path, damage, message):
+    run_distributed(2, train_ddp.main, flags(corpus, tmp_path, max_steps=2))
+    checkpoint = gpt.latest_checkpoint(str(tmp_path))
+    overrides = dict(max_steps=4, resume=True)
+    if damage == "truncate":
+        rank_file = os.path.join(checkpoint, "rank00000.pt")
+        with open(rank_file, "r+b") as f:
+            f.truncate(os.path.getsize(rank_file) // 2)
+    else:
+        overrides["block_size"] = 64
+    files = {name: open(os.path.join(checkpoint, name), "rb").read() for name in os.listdir(checkpoint)}
+    metrics = open(tmp_path / "metrics.jsonl").read()
+    errors = run_distributed(2, _resume_refused, flags(corpus, tmp_path, **overrides))
+    for rank, error in enumerate(errors):
+        assert error and message in error, f"rank {rank}: {error}"
+    assert gpt.latest_checkpoint(str(tmp_path)) == checkpoint
+    assert {name: open(os.path.join(checkpoint, name), "rb").read() for name in os.listdir(checkpoint)} == files
+    assert open(tmp_path / "metrics.jsonl").read() == metrics  # not a single step was taken
