@@ -9,11 +9,13 @@ several optimizer steps, in float32 on CPU, within reduction-order noise (TOLERA
 """
 
 import contextlib
+import copy
 import importlib.util
 import json
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -35,6 +38,7 @@ sys.path.insert(0, HERE)
 import gpt  # noqa: E402
 import prepare_data  # noqa: E402
 import train_ddp  # noqa: E402
+import train_fsdp  # noqa: E402
 import train_single  # noqa: E402
 
 # @record (torch.distributed.elastic) wants a real stderr for its fault handler; pytest's capture has none.
@@ -61,7 +65,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        queue.put((rank, True, fn(*args)))
+        result = fn(*args)
+        dist.barrier()  # rank 0 hosts the group's store: nobody leaves while another rank may still need it
+        queue.put((rank, True, result))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -127,6 +133,9 @@ def run_distributed(world_size, fn, *args):
     return [results[r] for r in range(world_size)]
 
 
+launches_its_own_ranks = pytest.mark.skipif(LAUNCHED_WORLD > 1, reason="launches torchrun or forks ranks itself")
+
+
 @pytest.fixture
 def shared_tmp(tmp_path):
     """A folder every rank sees: rank 0's tmp_path when torchrun launched the ranks."""
@@ -141,18 +150,20 @@ def shared_tmp(tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 # Runs of the training scripts and their comparison
 
-TOLERANCE = 5e-5
-"""Largest difference allowed between two layouts, relative to each tensor's largest magnitude (losses and
-gradient norms: relative to their value). Summing gradients over 2 or 4 ranks instead of one process reorders
-float32 additions (~7e-7 relative per tensor, DESIGN.md); AdamW's first steps divide each gradient by its own
-magnitude, so elements whose gradient is near zero turn that noise into whole updates: measured up to 1.7e-5
-(blocks.*.mlp.proj.weight) after 6 steps. A dropped all-reduce, a skipped shard or a wrong loss scale moves
-the weights or the gradient norm by 1e-3 or more."""
+TOLERANCE = 5e-6
+"""Largest relative difference allowed between two layouts' losses and gradient norms at every step. Summing over
+2, 4 or 8 ranks instead of one process, or splitting a matmul's inner dimension over tensor-parallel ranks,
+reorders float32 additions: measured up to 8e-7 (2-D, grad norm). A dropped all-reduce, a skipped shard or a
+gradient summed instead of averaged moves them by 1e-3 or more."""
 
-ZERO_GRADIENT_ABSOLUTE_TOLERANCE = 1e-5
-"""The attention key bias adds q.b_k to every score of a softmax row, which softmax ignores: its gradient is
-zero in exact arithmetic, and the parameter holds only rounding noise (~1e-6), which differs between any two
-reduction orders by about its own size. Those tensors are held to this absolute bound instead."""
+WEIGHT_TOLERANCE = 3e-5
+"""Largest absolute difference allowed between two layouts' final weights, element by element. AdamW divides
+each gradient by its own running magnitude, so an element whose gradient is near zero turns reduction-order
+noise into a visible step: after 6 steps a handful of elements out of 65536 differ by up to 1e-5 (tensor
+parallel; ~1e-6 for data parallel), 0.3% of one update at lr 3e-3, while everything else agrees to ~1e-7. The
+attention key bias is such a parameter throughout: softmax ignores the q.b_k it adds to a whole row, so its
+gradient is zero in exact arithmetic and it holds only rounding noise (~1e-6). A real bug moves thousands of
+elements by ~1e-3."""
 
 
 @pytest.fixture(scope="session")
@@ -205,27 +216,49 @@ def single_run(corpus, tmp_path_factory, **overrides):
     key = tuple(sorted(overrides.items()))
     if key not in _single_runs:
         out_dir = tmp_path_factory.mktemp("single")
-        threads, os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS"), "1"
+        threads, variable = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # gpt.get_device then leaves the thread count alone
+        torch.set_num_threads(1)
         try:
             train_single.main(flags(corpus, out_dir, **overrides))
         finally:
-            os.environ.pop("OMP_NUM_THREADS") if threads is None else os.environ.update(OMP_NUM_THREADS=threads)
+            torch.set_num_threads(threads)
+            os.environ.pop("OMP_NUM_THREADS") if variable is None else os.environ.update(OMP_NUM_THREADS=variable)
         _single_runs[key] = read_run(out_dir)
     return _single_runs[key]
 
 
-def assert_runs_match(run, reference, tolerance=TOLERANCE):
+def assert_runs_match(run, reference, tolerance=TOLERANCE, weight_tolerance=WEIGHT_TOLERANCE):
     assert len(run.losses) == len(reference.losses)
     np.testing.assert_allclose(run.losses, reference.losses, rtol=tolerance, atol=0, err_msg="losses")
     np.testing.assert_allclose(run.grad_norms, reference.grad_norms, rtol=tolerance, atol=0, err_msg="grad norms")
     assert run.weights.keys() == reference.weights.keys()
-    for name, expected in reference.weights.items():
-        difference = np.abs(run.weights[name] - expected).max()
-        if name.endswith("attn.key.bias"):
-            assert difference <= ZERO_GRADIENT_ABSOLUTE_TOLERANCE, f"{name}: max difference {difference:.2e}"
-            continue
-        error = difference / (np.abs(expected).max() or 1.0)
-        assert error <= tolerance, f"{name}: max difference {error:.2e} of its largest magnitude (> {tolerance})"
+    differences = {name: np.abs(run.weights[name] - expected).max() for name, expected in reference.weights.items()}
+    worst = sorted(differences, key=differences.get, reverse=True)[:3]
+    assert differences[worst[0]] <= weight_tolerance, \
+        "weights differ: " + ", ".join(f"{name} by {differences[name]:.1e}" for name in worst)
+
+
+class Crash(Exception):
+    pass
+
+
+def _train_until(main, crash_step, argv):
+    """main(argv), crashing at crash_step as a killed rank would (after its last checkpoint, before the next)."""
+    real_get_lr = gpt.get_lr
+
+    def get_lr(step, args):
+        if step == crash_step:
+            raise Crash
+        return real_get_lr(step, args)
+
+    gpt.get_lr = get_lr
+    try:
+        main(argv)
+    except Crash:
+        return "crashed"
+    finally:
+        gpt.get_lr = real_get_lr
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -441,10 +474,6 @@ def test_missing_optional_package_is_a_clear_error(corpus, tmp_path, extra, pack
         train_single.main(flags(corpus, tmp_path, max_steps=1, **extra))
 
 
-class Crash(Exception):
-    pass
-
-
 def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     train_single.main(flags(corpus, straight, max_steps=8))
@@ -581,24 +610,6 @@ def test_ddp_ours_matches_torch(corpus, tmp_path_factory):
     assert ours.losses == theirs.losses and ours.grad_norms == theirs.grad_norms  # measured: bit-identical
     assert_runs_match(ours, theirs)
     assert_runs_match(theirs, single_run(corpus, tmp_path_factory))
-
-
-def _train_until(main, crash_step, argv):
-    """main(argv), crashing at crash_step as a killed rank would (after its last checkpoint, before the next)."""
-    real_get_lr = gpt.get_lr
-
-    def get_lr(step, args):
-        if step == crash_step:
-            raise Crash
-        return real_get_lr(step, args)
-
-    gpt.get_lr = get_lr
-    try:
-        main(argv)
-    except Crash:
-        return "crashed"
-    finally:
-        gpt.get_lr = real_get_lr
 
 
 def test_ddp_resumes_at_another_world_size(corpus, tmp_path_factory, shared_tmp):
@@ -813,6 +824,208 @@ def test_ddp_wrapper_on_subgroups():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# train_fsdp.py
+
+
+@pytest.mark.parametrize("world_size, strategy", [
+    (2, {}),
+    (4, dict(no_reshard=True, no_deferred_init=True)),
+])
+def test_fsdp_matches_single(corpus, shared_tmp, tmp_path_factory, world_size, strategy):
+    """2 and 4 ranks, accumulation 4 and 2, clipping active: ZeRO-3 computes what one device computes."""
+    run_distributed(world_size, train_fsdp.main, flags(corpus, shared_tmp, **strategy))
+    assert_runs_match(read_run(shared_tmp), single_run(corpus, tmp_path_factory))
+
+
+def test_fsdp_ours_matches_fully_shard(corpus, shared_tmp):
+    """Ours against PyTorch's FSDP2 on the same flags: both equal to each other, not only to train_single."""
+    runs = {}
+    for impl in ("ours", "torch"):
+        run_distributed(2, train_fsdp.main, flags(corpus, os.path.join(shared_tmp, impl), impl=impl))
+        runs[impl] = read_run(os.path.join(shared_tmp, impl))
+    assert_runs_match(runs["ours"], runs["torch"])
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor any aten operation creates while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def _build(config, seed=5):
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    with LargestAllocation() as allocations:
+        fsdp = train_fsdp.FullyShardedDataParallel(
+            model, initial_value=lambda name, param: gpt.initial_value(name, param.shape, config, seed))
+    return model, fsdp, allocations.largest
+
+
+def _deferred_init():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    model, fsdp, largest = _build(config)
+    full = {name: tensor.numpy() for name, tensor in fsdp.named_full_parameters()}
+    return largest, max(flat.shard_size for flat in fsdp.flats), [sum(flat.sizes) for flat in fsdp.flats], full
+
+
+def test_fsdp_deferred_init_holds_one_parameter_at_a_time(corpus):
+    """Built on meta, each rank materialises one parameter at a time and keeps its slice: the largest tensor it
+    ever creates is one parameter or one of its own shards, never a whole flat parameter, unit or model; the
+    shards equal the slices of single-device init."""
+    results = run_distributed(2, _deferred_init)
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    reference = gpt.GPT(config)
+    reference.init_weights(seed=5)
+    largest_parameter = max(param.numel() for param in reference.parameters())
+    for largest, largest_shard, flat_sizes, full in results:
+        print(f"largest tensor created {largest} elements: largest parameter {largest_parameter}, largest shard "
+              f"{largest_shard}, largest flat parameter {max(flat_sizes)}, model {reference.num_params()}")
+        assert largest <= max(largest_parameter, largest_shard) < max(flat_sizes)
+        assert full.keys() == dict(reference.named_parameters()).keys()
+        for name, param in reference.named_parameters():
+            assert np.array_equal(full[name], param.detach().numpy()), name
+
+
+def _memory_after_a_step():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    model, fsdp, _ = _build(config)
+    args = gpt.get_parser("").parse_args([])
+    optimizer = gpt.make_optimizer(*fsdp.parameter_groups(), args, torch.device("cpu"))
+    x = torch.randint(0, 256, (2, 32))
+    fsdp(x, x).backward()
+    fsdp.clip_grad_norm_(1.0)
+    optimizer.step()
+    tensors = [p for p in fsdp.parameters()] + [p.grad for p in fsdp.parameters()]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if t.dim() > 0]
+    flats = fsdp.flats
+    return (sum(t.numel() * t.element_size() for t in tensors), gpt.GPT(config).num_params(),
+            sum(flat.padding for flat in flats), len(flats), len(fsdp.gathered), list(model.named_parameters()))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp_memory_is_one_nth(world_size):
+    """After a step, each rank's parameters + gradients + AdamW moments (float32: 4 tensors of 4 bytes an
+    element) are exactly 1/N of the unsharded model's, padding aside (3 ranks pad the flat parameters of biases
+    and norms); nothing is left gathered."""
+    for held, total, padding, flats, gathered, original in run_distributed(world_size, _memory_after_a_step):
+        print(f"{world_size} ranks: {held} bytes held per rank; unsharded model {16 * total}; padding {padding}")
+        assert held * world_size == 16 * (total + padding)
+        assert padding <= (world_size - 1) * flats  # each flat parameter pads to a multiple of the world size
+        assert padding > 0 or world_size != 3
+        assert gathered == 0 and original == []  # no full copy kept; the model holds no parameter of its own
+
+
+def _any_module():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 5))
+    model[0].bias.requires_grad_(False)  # frozen: gathered for forward, never reduced nor stepped
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6), torch.randn(8, 5)  # the same on every rank (seeded): each takes its own rows
+    fsdp = train_fsdp.FullyShardedDataParallel(model, units=[model[0], model[2]])
+    rows = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
+    for module, inputs, targets in [(fsdp, x[rows], y[rows]), (reference, x, y)]:
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.1)
+        for _ in range(2):  # the second step reads the shards the first one updated
+            torch.nn.functional.mse_loss(module(inputs), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    full = {name: tensor.numpy() for name, tensor in fsdp.named_full_parameters()}
+    return full, {name: param.detach().numpy() for name, param in reference.named_parameters()}
+
+
+def test_fsdp_wraps_any_module_with_frozen_parameters():
+    """Not only GPT: a Sequential with its two Linears as units and a frozen bias, sharded over 2 ranks with
+    padding, takes the same two SGD steps as the whole model on the whole batch."""
+    for full, reference in run_distributed(2, _any_module):
+        assert full.keys() == reference.keys()
+        for name, expected in reference.items():
+            np.testing.assert_allclose(full[name], expected, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def _prefetch_order():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    model, fsdp, _ = _build(config)
+    events = []
+    unit_of = {flat.shard.data_ptr(): index for index, unit in enumerate(fsdp.units) for flat in unit}
+    real_gather, real_reduce_scatter = train_fsdp.all_gather_single, fsdp.reduce_scatter
+
+    def gather(output, input, **kwargs):
+        events.append(("gather", unit_of[input.data_ptr()]))
+        return real_gather(output, input, **kwargs)
+
+    def reduce_scatter(flat, grad):
+        events.append(("reduce_scatter", unit_of[flat.shard.data_ptr()]))
+        return real_reduce_scatter(flat, grad)
+
+    train_fsdp.all_gather_single, fsdp.reduce_scatter = gather, reduce_scatter
+    for index, block in enumerate(model.blocks, start=1):  # unit 0 is the root
+        block.register_forward_pre_hook(lambda *_, i=index: events.append(("start", i)), prepend=True)
+        block.register_forward_hook(lambda *_, i=index: events.append(("end", i)), prepend=True)
+    x = torch.randint(0, 256, (2, 32))
+    fsdp(x, x).backward()  # the first forward learns the order of the units
+    events.clear()
+    fsdp(x, x).backward()
+    return events, len(fsdp.units)
+
+
+def test_fsdp_prefetches_one_unit_ahead():
+    """Forward: block i+1's all-gather is issued after block i starts and before it ends, block i+2's only
+    after it ends. Backward: block i-1's all-gather is issued before block i's reduce-scatter (the end of
+    its backward), and after block i+1's."""
+    events, units = run_distributed(2, _prefetch_order)[0]
+    position = {event: events.index(event) for event in reversed(events)}  # first occurrence
+    last = {event: len(events) - 1 - events[::-1].index(event) for event in events}
+    for block in range(1, units - 1):
+        assert position["start", block] < position["gather", block + 1] < position["end", block], events
+        if block + 2 < units:
+            assert position["end", block] < position["gather", block + 2], events
+    for block in range(units - 1, 1, -1):
+        assert last["gather", block - 1] < position["reduce_scatter", block], events
+        if block + 1 < units:
+            assert position["reduce_scatter", block + 1] < last["gather", block - 1], events
+
+
+def test_fsdp_bfloat16_close_to_float32(corpus, shared_tmp, tmp_path_factory):
+    """Gathered and computed in bf16, master weights, AdamW and gradient reduction in float32: 3 steps stay
+    within 2e-3 of the float32 losses (measured 2e-4; bf16 keeps 8 bits of mantissa, ~4e-3 a rounding)."""
+    run_distributed(2, train_fsdp.main, flags(corpus, shared_tmp, dtype="bfloat16", max_steps=3))
+    losses = read_run(shared_tmp).losses
+    reference = single_run(corpus, tmp_path_factory).losses  # warmup covers steps 0-2: the same schedule there
+    error = max(abs(a - b) / b for a, b in zip(losses, reference))
+    print(f"bf16 vs float32 losses: {losses} vs {reference[:3]}: max relative error {error:.1e}")
+    assert error < 2e-3
+
+
+@launches_its_own_ranks  # 1, 2 and 4 ranks in turn
+def test_fsdp_checkpoint_resumes_anywhere(corpus, tmp_path, tmp_path_factory):
+    """A checkpoint written by FSDP at 2 ranks resumes under train_single and under FSDP at 4 ranks, and one
+    written by train_single resumes under FSDP at 2 ranks: the same losses and weights as an unbroken run."""
+    reference = single_run(corpus, tmp_path_factory)
+    fsdp_saved, single_saved = tmp_path / "fsdp", tmp_path / "single"
+    crashed = run_distributed(2, _train_until, train_fsdp.main, 4, flags(corpus, fsdp_saved, ckpt_interval=3))
+    assert crashed == ["crashed"] * 2
+    assert _train_until(train_single.main, 4, flags(corpus, single_saved, ckpt_interval=3)) == "crashed"
+    for saved, resumed_by, world_size in [(fsdp_saved, "single", 1), (fsdp_saved, "fsdp", 4), (single_saved, "fsdp", 2)]:
+        out_dir = tmp_path / f"{saved.name}-resumed-by-{resumed_by}-{world_size}"
+        shutil.copytree(saved, out_dir)
+        argv = flags(corpus, out_dir, ckpt_interval=3, resume=True)
+        if resumed_by == "single":
+            train_single.main(argv)
+        else:
+            run_distributed(world_size, train_fsdp.main, argv)
+        assert_runs_match(read_run(str(out_dir)), reference)
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Running for real: launches through torchrun as a user would, on one machine, CPU and gloo. Two launches
 # rendezvous as two nodes; a worker killed mid-run ends the job and `--resume` finishes it; torchrun's
 # `--max-restarts` restarts a killed worker from its checkpoint; mismatched flags or code and a stuck rank end
@@ -821,8 +1034,6 @@ def test_ddp_wrapper_on_subgroups():
 # Faults are injected by a small wrapper script (written to the test's tmp_path) that patches gpt.get_lr,
 # which every script calls once at the start of every optimizer step, and then runs the real script with runpy:
 # the script's own file is what runs and what its code fingerprint hashes.
-
-launches_its_own_ranks = pytest.mark.skipif(LAUNCHED_WORLD > 1, reason="launches torchrun or forks ranks itself")
 
 LAUNCH_TIMEOUT_S = 120  # a whole launch; a hang fails the test instead of the suite
 COLLECTIVE_TIMEOUT_S = 20  # --timeout of the launched runs: a failure must end the job well before it

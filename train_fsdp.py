@@ -1,0 +1,453 @@
+"""
+Fully sharded data parallel (ZeRO-3) by hand: every rank keeps 1/N of each sharding unit's flat parameters,
+gradients and AdamW state; a unit is all-gathered just before its forward and again before its backward,
+and its gradient is reduce-scattered back into the shards. Prefetch, mixed precision and deferred init.
+
+    torchrun --standalone --nproc_per_node=2 train_fsdp.py
+    torchrun --standalone --nproc_per_node=8 train_fsdp.py --model gpt2-xl --data data/openwebtext \
+        --block_size 1024 --dtype bfloat16
+    torchrun --standalone --nproc_per_node=2 train_fsdp.py --impl torch     # PyTorch's FSDP2 fully_shard, the yardstick
+
+Reads top to bottom: arguments -> process groups -> model -> strategy -> loop -> checkpoint.
+"""
+
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils._pytree import tree_leaves
+
+import gpt
+from prepare_data import get_tokenizer
+
+# The same collectives under their torch >= 2.13 names, or the older ones (same signatures) on earlier versions.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class FlatParameter:
+    """The parameters of one unit that share a kind (with weight decay, without, frozen), end to end in one flat
+    buffer padded to a multiple of the group size. This rank keeps elements [rank * shard_size, (rank + 1) *
+    shard_size) as `shard`, a float32 nn.Parameter: the master weights, all the optimizer sees. While gathered,
+    `full` is the whole buffer in the compute dtype and each original parameter is a plain attribute of the
+    module(s) using it, a view into `full`: module code runs unchanged, and autograd sums the views' gradients
+    into the gradient of `full` (a tied parameter's too, one view per module)."""
+
+    def __init__(self, entries, group, device, dtype, initial_value, gathered):
+        self.names, params, self.uses = zip(*entries)  # entries: (name, parameter, its (module, attribute) uses)
+        self.dtype, self.gathered = dtype, gathered
+        self.shapes, self.sizes = [p.shape for p in params], [p.numel() for p in params]
+        self.decay = all(p.dim() >= 2 for p in params)
+        self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.shard_size = -(-sum(self.sizes) // self.world)
+        self.padding = self.shard_size * self.world - sum(self.sizes)
+        shard = torch.zeros(self.shard_size, device=device)  # the padding stays zero: no gradient, no decay
+        for index, begin, end, start in self.local_pieces():  # one original parameter at a time, never a unit
+            shard[start:start + end - begin] = initial_value(self.names[index], params[index]).reshape(-1)[begin:end]
+        self.shard = nn.Parameter(shard, requires_grad=params[0].requires_grad)
+        self.full = self.work = None
+
+    def local_pieces(self):
+        """(index of an original parameter, the flat range [begin, end) of it held here, its start in the shard)."""
+        first, offset = self.rank * self.shard_size, 0
+        for index, size in enumerate(self.sizes):
+            begin, end = max(offset, first) - offset, min(offset + size, first + self.shard_size) - offset
+            if begin < end:
+                yield index, begin, end, offset + begin - first
+            offset += size
+
+    def gather(self):
+        """Start the all-gather of `full`; wait() ends it. The shard is cast first: bf16 moves half the bytes."""
+        if self.full is None and self.work is None:
+            self.incoming = torch.empty(self.shard_size * self.world, dtype=self.dtype, device=self.shard.device)
+            self.sent = self.shard.detach().to(self.dtype)
+            self.work = all_gather_single(self.incoming, self.sent, group=self.group, async_op=True)
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+            self.full, self.incoming, self.sent, self.work = self.incoming, None, None, None
+            self.gathered[self.full.untyped_storage().data_ptr()] = self
+
+    def use_views(self, wrapper):
+        full = self.full
+        if torch.is_grad_enabled() and self.shard.requires_grad:
+            full = Unshard.apply(self.shard, full, wrapper, self)
+        for view, shape, uses in zip(full.split(self.sizes + [self.padding]), self.shapes, self.uses):
+            for module, attribute in uses:
+                setattr(module, attribute, view.view(shape))
+
+    def free(self):
+        self.wait()  # a prefetch nobody used: let it land, then drop it
+        for module, attribute in (use for uses in self.uses for use in uses):
+            module.__dict__.pop(attribute, None)  # a use while sharded fails loudly instead of running without it
+        if self.full is not None:
+            del self.gathered[self.full.untyped_storage().data_ptr()]
+            self.full = None
+
+
+class Unshard(torch.autograd.Function):
+    """Identity from the shard to the gathered buffer: autograd calls backward with the buffer's gradient once
+    every view of it has its own, i.e. when the unit's backward is over. The shard's gradient is not returned
+    but accumulated when its reduce-scatter lands."""
+
+    @staticmethod
+    def forward(ctx, shard, full, wrapper, flat):
+        ctx.wrapper, ctx.flat = wrapper, flat
+        return full
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.wrapper.reduce_scatter(ctx.flat, grad)
+        ctx.flat.free()
+        return None, None, None, None
+
+
+def current_value(name, param):
+    if param.is_meta:
+        raise ValueError(f"parameter {name} is on meta: pass initial_value to say what it starts as")
+    return param.detach()
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3 on any nn.Module, over `process_group`. Units: the module itself (the root) and each of `units`
+    (default: its `blocks`, if any; nested ones after the units holding them). A parameter belongs to the
+    innermost unit holding every module that uses it, so a weight tied across units lives in the root, which
+    stays gathered from the start of forward to the end of backward. Units are gathered and computed in
+    `compute_dtype` (bfloat16 or float16 for mixed precision); shards, AdamW and the gradient reduction stay
+    float32. initial_value(name, parameter) gives a parameter's full local value (default: its current one; on
+    `meta`, pass a function): each rank materialises only its shards. layout(name, shape) gives the (full
+    shape, box) a parameter covers in checkpoints (default: all of it; a tensor-parallel slice narrows it)."""
+
+    def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
+                 reshard_after_forward=True, initial_value=None, layout=None):
+        super().__init__()
+        self.module, self.group = module, process_group or dist.group.WORLD
+        self.reshard_after_forward = reshard_after_forward
+        self.layout = layout or (lambda name, shape: (tuple(shape), tuple((0, n) for n in shape)))
+        unit_modules = [module] + list(getattr(module, "blocks", []) if units is None else units)
+        owner = {sub: index for index, unit in enumerate(unit_modules) for sub in unit.modules()}  # innermost wins
+        params = {}
+        for module_name, sub in module.named_modules():
+            for attribute, param in list(sub._parameters.items()):
+                if param is not None:
+                    name = f"{module_name}.{attribute}".lstrip(".")
+                    params.setdefault(param, (name, param, []))[2].append((sub, attribute))
+                    del sub._parameters[attribute]  # from now on a plain attribute, present while gathered
+        kinds = [{} for _ in unit_modules]
+        for entry in params.values():
+            holders = {owner[sub] for sub, _ in entry[2]}
+            kind = (entry[1].requires_grad, entry[1].dim() >= 2)
+            kinds[holders.pop() if len(holders) == 1 else 0].setdefault(kind, []).append(entry)
+        initial_value = initial_value or current_value
+        self.gathered = {}  # storage address of a gathered buffer -> its FlatParameter: the saved-tensor hooks' map
+        self.units = [[FlatParameter(entries, self.group, device, compute_dtype, initial_value, self.gathered)
+                       for entries in unit.values()] for unit in kinds]
+        self.flats = [flat for unit in self.units for flat in unit]
+        self.shards = nn.ParameterList(flat.shard for flat in self.flats)
+        for index, unit in enumerate(unit_modules):
+            unit.register_forward_pre_hook(partial(self._before_forward, index))
+            unit.register_forward_hook(partial(self._after_forward, index))
+        self.order = []  # units in the order their forward first ran: prefetch follows it
+        self.in_flight = None  # the latest reduce-scatter, finished when the next one starts
+        self.backward_callback_queued = False
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def gather(self, index, prefetch=None):
+        """Make unit `index` available, first starting the gather of unit `prefetch` so it overlaps its compute."""
+        for flat in self.units[index] + (self.units[prefetch] if prefetch is not None else []):
+            flat.gather()
+        for flat in self.units[index]:
+            flat.wait()
+
+    @torch.compiler.disable  # --compile: the model compiles between the units' hooks, which run as written
+    def _before_forward(self, index, module, args):
+        if index not in self.order:
+            self.order.append(index)
+        if index == 0:
+            # Tensors autograd saves for backward that are views of a gathered buffer would keep it alive until
+            # then; saved as a reference instead, they are read from the buffer gathered again for backward.
+            self.saved_tensor_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self.saved_tensor_hooks.__enter__()
+        position = self.order.index(index)
+        self.gather(index, self.order[position + 1] if position + 1 < len(self.order) else None)
+        for flat in self.units[index]:
+            flat.use_views(self)
+
+    @torch.compiler.disable
+    def _after_forward(self, index, module, args, output):
+        if torch.is_grad_enabled():
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(partial(self._before_backward, index))
+        if index == 0:
+            self.saved_tensor_hooks.__exit__(None, None, None)
+        if not torch.is_grad_enabled() or (self.reshard_after_forward and index != 0):
+            for flat in self.units[index]:
+                flat.free()
+
+    def _before_backward(self, index, grad):
+        if not self.backward_callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            self.backward_callback_queued = True
+        # Backward runs the units in reverse; from the root, whose backward spans everything, the last is next.
+        self.gather(index, self.order[self.order.index(index) - 1])
+
+    def _after_backward(self):
+        self.finish_reduce_scatter()
+        for flat in self.flats:  # the root's, frozen ones, a prefetch nobody used: none may outlive the update
+            flat.free()
+        self.backward_callback_queued = False
+
+    @torch.compiler.disable
+    def _pack(self, tensor):
+        flat = self.gathered.get(tensor.untyped_storage().data_ptr())
+        return tensor if flat is None else (flat, tensor.shape, tensor.stride(), tensor.storage_offset())
+
+    @torch.compiler.disable
+    def _unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        flat, shape, stride, offset = saved
+        if flat.full is None:  # read after its unit's backward freed it (a frozen parameter): gather it again
+            flat.gather()
+            flat.wait()
+        return flat.full.as_strided(shape, stride, offset)
+
+    def reduce_scatter(self, flat, grad):
+        """Start averaging the unit's gradient over the group, in float32, into this rank's piece. The previous
+        one lands first: one full gradient at most waits, while the next unit's backward computes."""
+        self.finish_reduce_scatter()
+        grad = grad.float()
+        piece = torch.empty(flat.shard_size, device=grad.device)
+        work = reduce_scatter_single(piece, grad, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        self.in_flight = (flat, piece, grad, work)
+
+    def finish_reduce_scatter(self):
+        if self.in_flight is not None:
+            flat, piece, _, work = self.in_flight
+            work.wait()
+            flat.shard.grad = piece if flat.shard.grad is None else flat.shard.grad.add_(piece)  # micro-steps add up
+            self.in_flight = None
+
+    def parameter_groups(self):
+        """(with weight decay, without): the trainable shards, for gpt.make_optimizer."""
+        trained = [flat for flat in self.flats if flat.shard.requires_grad]
+        return [f.shard for f in trained if f.decay], [f.shard for f in trained if not f.decay]
+
+    def local_grad_norm_squared(self):
+        """This rank's term of the squared global gradient norm: its gradient shards, padding excluded."""
+        total = torch.zeros((), device=self.shards[0].device)
+        for flat in (flat for flat in self.flats if flat.shard.grad is not None):
+            valid = max(0, min(flat.shard_size, sum(flat.sizes) - flat.rank * flat.shard_size))
+            total += flat.shard.grad[:valid].float().pow(2).sum()
+        return total
+
+    def clip_grad_norm_(self, max_norm):
+        """torch.nn.utils.clip_grad_norm_ of the whole model, with one all-reduce."""
+        total = self.local_grad_norm_squared()
+        dist.all_reduce(total, group=self.group)
+        norm = total.sqrt()
+        grads = [shard.grad for shard in self.shards if shard.grad is not None]
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
+
+    @torch.no_grad()
+    def named_full_parameters(self):
+        """(name, full float32 tensor) of every original parameter, from the master shards, one flat buffer at a
+        time. A collective: every rank iterates to the end."""
+        for flat in self.flats:
+            full = torch.empty(flat.shard_size * flat.world, device=flat.shard.device)
+            all_gather_single(full, flat.shard.detach(), group=self.group)
+            for name, shape, piece in zip(flat.names, flat.shapes, full.split(flat.sizes + [flat.padding])):
+                yield name, piece.view(shape)
+
+    def slots(self):
+        """A gpt.Slot for each piece of an original parameter in this rank's shards: the checkpoint layout."""
+        slots = []
+        for flat in self.flats:
+            for index, begin, end, start in flat.local_pieces():
+                shape, box = self.layout(flat.names[index], flat.shapes[index])
+                slots.append(gpt.Slot(flat.names[index], shape, box, (begin, end), flat.shard, start))
+        return slots
+
+
+def apply_fully_shard(model, config, args, device, compute_dtype):
+    """--impl torch: PyTorch's FSDP2 on each block and the root, the same mixed-precision policy and init."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for module in [*model.blocks, model]:
+        fully_shard(module, mp_policy=policy, reshard_after_forward=not args.no_reshard)
+    if args.deferred_init:
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                value = gpt.initial_value(name, param.shape, config, args.seed).to(device)
+                param.copy_(distribute_tensor(value, param.device_mesh, param.placements))
+    return model
+
+
+def full_tensors(model, optimizer, master):
+    """--impl torch's checkpoint: each parameter and AdamW moment gathered whole (a collective), written by rank 0."""
+    tensors = {}
+    for name, param in model.named_parameters():
+        state = optimizer.state.get(param, {})
+        for key, tensor in [(name, param)] + [(f"{m}/{name}", state[m]) for m in ("exp_avg", "exp_avg_sq") if m in state]:
+            full = tensor.full_tensor()
+            if master:
+                tensors[key] = [gpt.piece(full.shape, full)]
+    return tensors
+
+
+@record  # under torchrun, the error file names the failing rank with its traceback
+def main(argv=None):
+    parser = gpt.get_parser(__doc__)
+    parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
+    parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from its forward to its backward")
+    parser.add_argument("--deferred_init", action="store_true", default=True,
+                        help="build on meta; each rank materialises and initialises only its own shards")
+    parser.add_argument("--no_deferred_init", dest="deferred_init", action="store_false", help="build the whole model first")
+    args = parser.parse_args(argv)
+
+    # ---- process groups: every rank is one data-parallel rank holding 1/world of the model
+    owns_group = not dist.is_initialized()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = gpt.get_device(args.device, local_rank)
+    dp_rank, dp_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+    # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
+    meta = gpt.ensure_data(args.data, is_writer=local_rank == 0)
+    micro_batch = args.micro_batch or args.global_batch // dp_size
+    train_data, val_data = (gpt.BatchSampler(os.path.join(args.data, f"{split}.bin"), args.block_size, args.global_batch,
+                                             micro_batch, dp_rank, dp_size, args.seed, device) for split in ("train", "val"))
+    config = gpt.make_config(args.model, meta["vocab_size"], args.block_size, args.dropout)
+    if args.resume and args.impl == "torch":
+        raise SystemExit("--resume is implemented for --impl ours only (it resumes checkpoints of any layout)")
+    checkpoint_path = gpt.latest_checkpoint(args.out_dir)
+    if checkpoint_path and not args.resume:
+        raise SystemExit(f"{args.out_dir!r} already holds {checkpoint_path!r}: pass --resume to continue it, "
+                         "or choose another --out_dir")
+
+    if owns_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    fingerprints = [None] * world_size
+    dist.all_gather_object(fingerprints, gpt.fingerprint(args, __file__))
+    gpt.check_fingerprints(fingerprints)
+    if (rank, world_size) != (dp_rank, dp_size):
+        raise RuntimeError(f"RANK/WORLD_SIZE say {dp_rank}/{dp_size} but the process group says {rank}/{world_size}")
+    master = rank == 0
+    prefix = f"[rank {rank}] " if args.log_all_ranks else ""
+    torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
+
+    # ---- model: built on meta, left there for the strategy to materialise shard by shard (--no_deferred_init: whole)
+    with torch.device("meta" if args.deferred_init else device):
+        model = gpt.GPT(config)
+    if not args.deferred_init:
+        model.init_weights(args.seed)
+    gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
+    num_params, num_params_without_position = model.num_params(), model.num_params(with_position_embedding=False)
+
+    # ---- strategy: each unit's parameters, gradients and AdamW state sharded over the ranks; gathered to compute
+    if args.impl == "torch":
+        model = apply_fully_shard(model, config, args, device, getattr(torch, args.dtype))
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        clip_grad_norm = lambda limit: torch.nn.utils.clip_grad_norm_(decay + no_decay, limit).full_tensor()  # noqa: E731
+    else:
+        initial_value = lambda name, param: gpt.initial_value(name, param.shape, config, args.seed)  # noqa: E731
+        model = FullyShardedDataParallel(model, device=device, compute_dtype=getattr(torch, args.dtype),
+                                         reshard_after_forward=not args.no_reshard,
+                                         initial_value=initial_value if args.deferred_init else None)
+        decay, no_decay = model.parameter_groups()
+        clip_grad_norm = model.clip_grad_norm_
+    optimizer = gpt.make_optimizer(decay, no_decay, args, device)
+    forward = torch.compile(model) if args.compile else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
+
+    start_step = 0
+    if args.resume and checkpoint_path:
+        checkpoint = gpt.Checkpoint(checkpoint_path)
+        gpt.load_checkpoint(checkpoint, model.slots(), optimizer, config)
+        gpt.set_rng_state(checkpoint.rng_state(rank), device)
+        start_step = checkpoint.meta["step"]
+    logger = gpt.MetricsLogger(args, enabled=master)
+    flops_per_token = gpt.flops_per_token(config, num_params_without_position)
+    peak_flops = gpt.peak_flops(device)
+    if master or args.log_all_ranks:
+        print(f"{prefix}{args.model}: {num_params / 1e6:.2f}M parameters | {world_size} ranks on {device} | "
+              f"global batch {args.global_batch} = micro batch {micro_batch} x {train_data.accumulation} accumulation "
+              f"x {dp_size} data-parallel | {'resuming at step ' + str(start_step) if start_step else 'from scratch'}")
+
+    # ---- loop
+    for step in range(start_step, args.max_steps):
+        last_step = step + 1 == args.max_steps
+        val_loss = None
+        if args.eval_interval and (step % args.eval_interval == 0 or last_step):
+            val_loss = gpt.estimate_loss(forward, val_data, args.eval_iters, autocast)
+            dist.all_reduce(val_loss, op=dist.ReduceOp.AVG)
+            val_loss = val_loss.item()
+        t0 = time.perf_counter()
+        lr = gpt.get_lr(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(train_data.accumulation):
+            x, y = train_data.get(step, micro_step)
+            with autocast:
+                loss = forward(x, y) / train_data.accumulation  # gradient of the mean over the global batch
+            loss.backward()  # each unit's gradient is reduce-scattered (averaged over ranks) as its backward ends
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        if step % args.log_interval == 0 or last_step or val_loss is not None:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # each rank summed only its own rows
+            loss_value = loss_sum.item()  # waits for the device: the step time below is real
+            step_s = time.perf_counter() - t0
+            tokens_per_s = args.global_batch * args.block_size / step_s
+            metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+                      "tokens_per_s": tokens_per_s,
+                      "mfu": flops_per_token * tokens_per_s / (world_size * peak_flops) if peak_flops else None,
+                      "peak_mem_mb": gpt.peak_memory_mb(device), "step_ms": 1000 * step_s}
+            if val_loss is not None:
+                metrics["val_loss"] = val_loss
+            logger.log(metrics)
+            if master or args.log_all_ranks:
+                print(prefix + gpt.format_log(metrics) + (f" | val loss {val_loss:.4f}" if val_loss is not None else ""))
+
+        # ---- checkpoint: every rank writes the pieces its shards hold
+        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or last_step:
+            tensors = (full_tensors(model, optimizer, master) if args.impl == "torch"
+                       else gpt.checkpoint_tensors(model.slots(), optimizer))
+            gpt.save_shard(args.out_dir, step + 1, rank, tensors, gpt.rng_state(device))
+            dist.barrier()
+            if master:
+                gpt.publish_checkpoint(args.out_dir, step + 1, world_size, {"config": asdict(config), "args": vars(args)})
+            dist.barrier()
+
+    if args.sample_tokens:  # on every rank: each forward gathers the units from all of them
+        tokenizer = get_tokenizer(meta["tokenizer"])
+        prompt = torch.tensor([tokenizer.encode("\n")], device=device)
+        with autocast:
+            out = gpt.generate(model, prompt, args.sample_tokens, config.block_size, seed=args.seed)
+        if master:
+            print("sample:\n" + tokenizer.decode(out[0].tolist()))
+    if owns_group:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
