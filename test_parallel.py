@@ -30,16 +30,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import gpt  # noqa: E402
+import train_2d  # noqa: E402
 import prepare_data  # noqa: E402
 import train_ddp  # noqa: E402
 import train_fsdp  # noqa: E402
 import train_single  # noqa: E402
+import train_tp  # noqa: E402
 
 # @record (torch.distributed.elastic) wants a real stderr for its fault handler; pytest's capture has none.
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
@@ -1023,6 +1026,376 @@ def test_fsdp_checkpoint_resumes_anywhere(corpus, tmp_path, tmp_path_factory):
         else:
             run_distributed(world_size, train_fsdp.main, argv)
         assert_runs_match(read_run(str(out_dir)), reference)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# train_tp.py
+
+
+def _tp_run(corpus, out_dir, tmp_path_factory, world_size=2, **overrides):
+    run_distributed(world_size, train_tp.main, flags(corpus, out_dir, **overrides))
+    run = read_run(out_dir)
+    assert_runs_match(run, single_run(corpus, tmp_path_factory))
+    return run
+
+
+_ours = {}
+
+
+# Each of TP=2 and TP=4 with and without sequence parallelism, loss parallelism on and off across them.
+@pytest.mark.parametrize("tp, sequence_parallel, loss_parallel", [(2, False, True), (2, True, False),
+                                                                  (4, True, True), (4, False, False)])
+def test_tp_matches_single(corpus, shared_tmp, tmp_path_factory, tp, sequence_parallel, loss_parallel):
+    """Losses, logged grad norms and final weights (through the shared checkpoint format) equal train_single's."""
+    _ours[tp, sequence_parallel, loss_parallel] = _tp_run(corpus, shared_tmp, tmp_path_factory, tp, sequence_parallel=
+                                                          sequence_parallel, no_loss_parallel=not loss_parallel)
+
+
+@pytest.mark.parametrize("sequence_parallel, loss_parallel", [(False, True), (True, False)])
+def test_tp_torch_matches_single_and_ours(corpus, shared_tmp, tmp_path_factory, sequence_parallel, loss_parallel):
+    """DTensor's parallelize_module, the yardstick, trains the same model as train_single and as ours."""
+    torch_run = _tp_run(corpus, os.path.join(shared_tmp, "torch"), tmp_path_factory, impl="torch",
+                        sequence_parallel=sequence_parallel, no_loss_parallel=not loss_parallel)
+    if (2, sequence_parallel, loss_parallel) not in _ours:  # this test alone
+        _ours[2, sequence_parallel, loss_parallel] = _tp_run(corpus, os.path.join(shared_tmp, "ours"), tmp_path_factory,
+                                                             sequence_parallel=sequence_parallel,
+                                                             no_loss_parallel=not loss_parallel)
+    assert_runs_match(torch_run, _ours[2, sequence_parallel, loss_parallel])
+
+
+def _tensor_parallel_model(config, seed, sequence_parallel=False, loss_parallel=True, dropout_seed=0):
+    """A gpt.GPT built on meta, parallelised over the world and initialised as train_tp.main does."""
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    train_tp.parallelize(model, dist.group.WORLD, sequence_parallel, loss_parallel, dropout_seed)
+    model.to_empty(device="cpu")
+    model.lm_head.weight = model.wte.weight
+    train_tp.init_weights(train_tp.parameter_layouts(model), config, seed)
+    return model
+
+
+def _gradient_errors(sequence_parallel, loss_parallel):
+    """Max error of each local gradient after one forward/backward against the same slice of one device's."""
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    generator = torch.Generator().manual_seed(0)
+    idx, targets = torch.randint(0, 256, (2, 2, 32), generator=generator)
+    reference = gpt.GPT(config)
+    reference.init_weights(seed=5)
+    reference(idx, targets).backward()
+    full = dict(reference.named_parameters())
+    model = _tensor_parallel_model(config, 5, sequence_parallel, loss_parallel)
+    loss = model(idx, targets)
+    loss.backward()
+    layouts = train_tp.parameter_layouts(model)
+    if sequence_parallel:
+        train_tp.allreduce_sequence_parallel_grads(layouts, dist.group.WORLD)
+    errors = {"loss": abs(loss.item() - reference(idx, targets).item()) / loss.item()}
+    for name, param, layout in layouts:
+        expected = full[name].grad[tuple(slice(*box) for box in layout.box)]
+        # attn.key.bias: zero gradient in exact arithmetic (see WEIGHT_TOLERANCE): measured at the query bias scale
+        scale = full[name.replace("key.bias", "query.bias")].grad.abs().max()
+        errors[name] = ((param.grad - expected).abs().max() / scale).item()
+    return errors
+
+
+@pytest.mark.parametrize("tp, sequence_parallel, loss_parallel", [(2, False, True), (2, True, False), (4, True, True)])
+def test_tp_gradients_are_the_slices_of_single(tp, sequence_parallel, loss_parallel):
+    """Before any optimizer step (AdamW amplifies rounding in near-zero gradients): each rank's gradients are the
+    slices of one device's, within float32 reduction-order noise (measured ~1e-6)."""
+    for errors in run_distributed(tp, _gradient_errors, sequence_parallel, loss_parallel):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < 1e-5, f"{worst}: {errors[worst]:.2e}"
+
+
+def _vocab_parallel_loss(scale):
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 384, generator=generator) * scale
+    targets = torch.randint(0, 384, (64,), generator=generator)
+    full = logits.clone().requires_grad_()
+    expected = F.cross_entropy(full, targets)
+    expected.backward()
+    local = logits.chunk(world, -1)[rank].clone().requires_grad_()
+    loss = train_tp.VocabParallelCrossEntropy.apply(local, targets, group).mean()
+    loss.backward()
+    grad_error = (local.grad - full.grad.chunk(world, -1)[rank]).abs().max() / full.grad.abs().max()
+    return abs(loss.item() - expected.item()) / expected.item(), grad_error.item(), bool(torch.isfinite(loss))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e4])
+def test_vocab_parallel_cross_entropy_equals_cross_entropy(scale):
+    """Loss and gradient equal F.cross_entropy on the whole logits, also at logits ~1e4 (exp would overflow)."""
+    for loss_error, grad_error, finite in run_distributed(2, _vocab_parallel_loss, scale):
+        assert finite and loss_error < 1e-6 and grad_error < 1e-6, (loss_error, grad_error)
+
+
+class _Shapes(TorchDispatchMode):
+    """Every shape an operator produces, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self.shapes.append(tuple(tensor.shape))
+        return out
+
+
+def _holds_whole_logits(loss_parallel):
+    config = gpt.make_config("tiny", vocab_size=300, block_size=16)  # padded to 384: no other size is 384
+    model = _tensor_parallel_model(config, 0, loss_parallel=loss_parallel)
+    idx = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with _Shapes() as mode:
+        model(idx, idx).backward()
+    whole = 2 * 16 * 384  # tokens x padded vocabulary, in any shape (the all-gather's flat buffer included)
+    return any(384 in shape or np.prod(shape) == whole for shape in mode.shapes)
+
+
+def test_loss_parallel_never_holds_whole_logits():
+    """No operator, forward or backward, produces a tensor with the whole padded vocabulary (384) as a dimension or
+    [tokens, vocab] elements; the same detector sees the gathered logits of --no_loss_parallel."""
+    assert run_distributed(2, _holds_whole_logits, True) == [False, False]
+    assert run_distributed(2, _holds_whole_logits, False) == [True, True]
+
+
+def _layers_alone(sequence_parallel):
+    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same full layers and data on every rank
+    column_full, row_full = nn.Linear(16, 24), nn.Linear(24, 16)
+    x, grad_out = torch.randn(2, 8, 16, requires_grad=True), torch.randn(2, 8, 16)
+    hidden = column_full(x)
+    out = row_full(hidden)
+    out.backward(grad_out)
+    column = train_tp.ColumnParallelLinear(column_full, group)
+    row = train_tp.RowParallelLinear(row_full, group, sequence_parallel)
+    for layer, full in ((column, column_full), (row, row_full)):
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                layout = layer.layouts.get(name)
+                param.copy_(getattr(full, name)[tuple(slice(*b) for b in layout.box)] if layout else getattr(full, name))
+    shard = lambda t, dim: t.chunk(world, dim)[rank]
+    local_x = (shard(x, 1) if sequence_parallel else x).detach().requires_grad_()
+    local_hidden = column(train_tp.f(local_x, group, sequence_parallel))
+    local_out = row(local_hidden)
+    local_out.backward(shard(grad_out, 1) if sequence_parallel else grad_out)
+    if sequence_parallel:  # the replicated bias saw this rank's sequence shard only
+        dist.all_reduce(row.bias.grad)
+    pairs = [(local_hidden, shard(hidden, -1)), (local_out, shard(out, 1) if sequence_parallel else out),
+             (local_x.grad, shard(x.grad, 1) if sequence_parallel else x.grad),
+             (column.weight.grad, shard(column_full.weight.grad, 0)), (column.bias.grad, shard(column_full.bias.grad, 0)),
+             (row.weight.grad, shard(row_full.weight.grad, 1)), (row.bias.grad, row_full.bias.grad)]
+    return [((a - b).abs().max() / b.abs().max()).item() for a, b in pairs]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_column_and_row_parallel_linear_alone(sequence_parallel):
+    """f -> ColumnParallelLinear -> RowParallelLinear: outputs, the input's and the weights' gradients are the
+    unsharded nn.Linear's slices (under sequence parallelism: sequence shards)."""
+    for errors in run_distributed(2, _layers_alone, sequence_parallel):
+        assert max(errors) < 1e-6, errors
+
+
+class _Masks(TorchDispatchMode):
+    """The dropout masks drawn (bernoulli_ outputs), in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.masks = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if "bernoulli" in func.__name__:
+            self.masks.append(out.detach().numpy().copy())
+        return out
+
+
+def _dropout_masks():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=16, dropout=0.5)
+    torch.manual_seed(1234)  # as train_tp.main: the default generator is the same on every tp rank
+    model = _tensor_parallel_model(config, 0, dropout_seed=1234 + 2 + dist.get_rank())
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with _Masks() as mode:
+        model(idx, idx).backward()
+    return mode.masks
+
+
+def test_tp_dropout_differs_inside_the_region_and_agrees_outside():
+    """Attention dropout (this rank's heads, [batch, heads / tp, seq, seq]) draws its own masks on every rank;
+    dropout on the replicated residual stream ([batch, seq, features]) draws the same masks everywhere."""
+    ranks = run_distributed(2, _dropout_masks)
+    inside = [i for i, mask in enumerate(ranks[0]) if mask.ndim == 4]
+    outside = [i for i, mask in enumerate(ranks[0]) if mask.ndim == 3]
+    assert len(inside) == 4 and len(outside) == 1 + 2 * 4  # embedding, then per block: attention, 2 residual
+    for i in inside:
+        assert ranks[0][i].shape == (2, 2, 16, 16) and not np.array_equal(ranks[0][i], ranks[1][i])
+    for i in outside:
+        assert np.array_equal(ranks[0][i], ranks[1][i])
+    assert not np.array_equal(ranks[0][inside[0]], ranks[0][inside[1]])  # and layers do not repeat each other
+
+
+def _replicated_after_training(argv):
+    models = []
+    parallelize = train_tp.parallelize
+    train_tp.parallelize = lambda model, *args: models.append(model) or parallelize(model, *args)
+    train_tp.main(argv)
+    return {name: param.detach().numpy() for name, param, layout in train_tp.parameter_layouts(models[0])
+            if not layout.sharded}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp_replicated_parameters_stay_identical(corpus, shared_tmp, sequence_parallel):
+    """Layer norms, wpe and row-parallel biases are bit-identical on every rank after training with dropout."""
+    ranks = run_distributed(2, _replicated_after_training,
+                            flags(corpus, shared_tmp, dropout=0.1, sequence_parallel=sequence_parallel, max_steps=5))
+    assert len(ranks[0]) == 2 * 4 * 2 + 2 * 4 + 3  # layer norms, attn / mlp proj biases, ln_f and wpe
+    for name, value in ranks[0].items():
+        assert np.array_equal(value, ranks[1][name]), name
+
+
+def _main_error(argv):
+    try:
+        train_tp.main(argv)
+    except ValueError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("world_size, bad, message", [
+    (3, {}, "n_head (4) is not divisible by --tp 3"),
+    (2, dict(sequence_parallel=True, block_size=33), r"--block_size (33) is not divisible by --tp 2"),
+    (2, dict(tp=4), "--tp must be the world size"),
+])
+def test_tp_bad_layout_is_a_clear_error(corpus, tmp_path, world_size, bad, message):
+    """Every rank refuses, before any collective (a collective would hang on the ranks that passed)."""
+    errors = run_distributed(world_size, _main_error, flags(corpus, tmp_path, **bad))
+    assert all(error and message in error for error in errors), errors
+
+
+def _generate(sequence_parallel):
+    config = gpt.make_config("tiny", vocab_size=256, block_size=16)
+    model = _tensor_parallel_model(config, 3, sequence_parallel).eval()
+    prompt = torch.tensor([[10, 20, 30]])  # 3 tokens: not a multiple of tp, as every other length on the way
+    return gpt.generate(model, prompt, 12, config.block_size, seed=1).numpy()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp_generate_matches_single(sequence_parallel):
+    """Sampling (no targets) gets the whole logits back, at any prompt length, under sequence parallelism too."""
+    config = gpt.make_config("tiny", vocab_size=256, block_size=16)
+    model = gpt.GPT(config).eval()
+    model.init_weights(seed=3)
+    expected = gpt.generate(model, torch.tensor([[10, 20, 30]]), 12, config.block_size, seed=1).numpy()
+    for tokens in run_distributed(2, _generate, sequence_parallel):
+        np.testing.assert_array_equal(tokens, expected)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# train_2d.py
+
+
+def _groups(tp, dp):
+    tp_group, dp_group = train_2d.new_groups(tp, dp)
+    return dist.get_process_group_ranks(tp_group), dist.get_process_group_ranks(dp_group)
+
+
+@pytest.mark.parametrize("tp, dp", [(2, 2), (2, 4), (4, 2)])
+def test_2d_groups_follow_the_grid(tp, dp):
+    """Tensor-parallel groups are consecutive ranks (inside a node), data-parallel groups strided."""
+    groups = run_distributed(tp * dp, _groups, tp, dp)
+    for rank, (tp_ranks, dp_ranks) in enumerate(groups):
+        assert tp_ranks == list(range(rank // tp * tp, rank // tp * tp + tp))
+        assert dp_ranks == list(range(rank % tp, tp * dp, tp))
+
+
+_2d_runs = {}
+
+
+def run_2d(corpus, tmp_path_factory, world_size, **overrides):
+    key = (world_size, tuple(sorted(overrides.items())))
+    if key not in _2d_runs:
+        out_dir = tmp_path_factory.mktemp("2d")
+        run_distributed(world_size, train_2d.main, flags(corpus, out_dir, **overrides))
+        _2d_runs[key] = read_run(str(out_dir))
+    return _2d_runs[key]
+
+
+@pytest.mark.parametrize("world_size, overrides", [
+    (4, dict(tp=2, dp=2)),
+    (4, dict(tp=2, dp=2, sequence_parallel=True, no_loss_parallel=True)),
+    (8, dict(tp=2, dp=4)),
+])
+def test_2d_matches_single_device(corpus, tmp_path_factory, world_size, overrides):
+    """6 steps with accumulation (16 / (2 x dp)) and clipping: losses, grad norms and weights equal train_single's."""
+    assert_runs_match(run_2d(corpus, tmp_path_factory, world_size, **overrides), single_run(corpus, tmp_path_factory))
+
+
+def test_2d_ours_matches_torch(corpus, tmp_path_factory):
+    """--impl torch: DTensor parallelize_module on the tp mesh dimension, fully_shard on the dp one."""
+    ours = run_2d(corpus, tmp_path_factory, 4, tp=2, dp=2)
+    theirs = run_2d(corpus, tmp_path_factory, 4, tp=2, dp=2, impl="torch")
+    assert_runs_match(theirs, ours)
+    assert_runs_match(theirs, single_run(corpus, tmp_path_factory))
+
+
+def _refused(argv):
+    try:
+        train_2d.main(argv)
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("world_size, overrides, message", [
+    (4, dict(tp=2, dp=3), "--tp 2 x --dp 3 = 6 ranks, but the world has 4"),
+    (4, dict(tp=4, dp=1, model="tiny", block_size=30, sequence_parallel=True), "--block_size (30) is not divisible by --tp 4"),
+    (2, dict(tp=2, dp=1, global_batch=3, micro_batch=2), "not a multiple of --micro_batch"),
+])
+def test_2d_bad_layout_fails_fast_on_every_rank(corpus, tmp_path, world_size, overrides, message):
+    errors = run_distributed(world_size, _refused, flags(corpus, tmp_path, **overrides))
+    assert all(error and message in error for error in errors), errors
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One checkpoint format: every layout resumes every other
+
+
+LAYOUTS = {  # script, ranks, extra flags
+    "single": (train_single.main, 1, {}),
+    "ddp": (train_ddp.main, 2, {}),
+    "fsdp": (train_fsdp.main, 2, {}),
+    "tp": (train_tp.main, 2, dict(sequence_parallel=True)),
+    "2d": (train_2d.main, 4, dict(tp=2, dp=2)),
+}
+SAVED_AT = 3
+
+
+@pytest.fixture(scope="module")
+def saved(corpus, tmp_path_factory):
+    """Each layout trains 3 of the 6 steps, checkpoints, and crashes: {layout: its out_dir}."""
+    folders = {}
+    for name, (main, ranks, extra) in LAYOUTS.items():
+        folders[name] = tmp_path_factory.mktemp(f"saved_by_{name}")
+        argv = flags(corpus, folders[name], ckpt_interval=SAVED_AT, **extra)
+        assert run_distributed(ranks, _train_until, main, SAVED_AT, argv) == ["crashed"] * ranks
+    return folders
+
+
+@launches_its_own_ranks
+@pytest.mark.parametrize("saver", list(LAYOUTS))
+@pytest.mark.parametrize("loader", list(LAYOUTS))
+def test_every_layout_resumes_every_other(corpus, tmp_path, tmp_path_factory, saved, saver, loader):
+    """A checkpoint saved at step 3 by `saver` resumes under `loader`: the whole run's losses, grad norms and
+    final weights equal train_single's uninterrupted 6 steps."""
+    if saver == loader:
+        pytest.skip("resuming one's own checkpoint is covered by each strategy's tests")
+    out_dir = tmp_path / "run"
+    shutil.copytree(saved[saver], out_dir)
+    main, ranks, extra = LAYOUTS[loader]
+    run_distributed(ranks, main, flags(corpus, out_dir, ckpt_interval=SAVED_AT, resume=True, **extra))
+    assert_runs_match(read_run(str(out_dir)), single_run(corpus, tmp_path_factory))
 
 
 # ------------------------------------------------------------------------------------------------------------
