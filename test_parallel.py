@@ -1351,6 +1351,7 @@ def _refused(argv):
 @pytest.mark.parametrize("world_size, overrides, message", [
     (4, dict(tp=2, dp=3), "--tp 2 x --dp 3 = 6 ranks, but the world has 4"),
     (4, dict(tp=4, dp=1, model="tiny", block_size=30, sequence_parallel=True), "--block_size (30) is not divisible by --tp 4"),
+    (3, dict(tp=3, dp=1), "n_head (4) is not divisible by --tp 3"),
     (2, dict(tp=2, dp=1, global_batch=3, micro_batch=2), "not a multiple of --micro_batch"),
 ])
 def test_2d_bad_layout_fails_fast_on_every_rank(corpus, tmp_path, world_size, overrides, message):
@@ -1570,6 +1571,24 @@ def test_two_nodes_rendezvous_and_match_single_node(corpus, tmp_path, tmp_path_f
     run = read_run(str(tmp_path / "out"))
     assert_identical(run, uninterrupted_ddp(corpus, tmp_path_factory))
     assert_runs_match(run, single_run(corpus, tmp_path_factory))
+
+
+@launches_its_own_ranks
+def test_two_nodes_of_two_ranks_train_2d(corpus, tmp_path, tmp_path_factory):
+    """train_2d.py --tp 2 --dp 2 on two 2-rank "nodes": torchrun numbers a node's ranks consecutively, so each
+    tensor-parallel group is one node and FSDP's data-parallel groups cross them; the run equals, bit for bit,
+    the same grid forked on one machine."""
+    port = _free_port()
+    argv = flags(corpus, tmp_path / "out", tp=2, dp=2)
+    node = ("--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=two-nodes-2d", "train_2d.py", *argv)
+    with launcher(tmp_path) as start:
+        nodes = [start(*node), start(*node)]
+        outcomes = [launch.wait() for launch in nodes]
+    for code, output, _ in outcomes:
+        assert code == 0, output[-5000:]
+    assert "TP groups [[0, 1], [2, 3]] | DP groups [[0, 2], [1, 3]]" in "".join(output for _, output, _ in outcomes)
+    assert_identical(read_run(str(tmp_path / "out")), run_2d(corpus, tmp_path_factory, 4, tp=2, dp=2))
 
 
 # ------------------------------------------------------------------------------------------------------------
