@@ -1,11 +1,10 @@
 """
-Fully sharded data parallel (ZeRO-3) by hand: every rank keeps 1/N of each sharding unit's flat parameters,
-gradients and AdamW state; a unit is all-gathered just before its forward and again before its backward,
-and its gradient is reduce-scattered back into the shards. Prefetch, mixed precision and deferred init.
+Fully sharded data parallel (ZeRO-3) by hand: every rank keeps 1/N of each unit's parameters, gradients and AdamW
+state; a unit is all-gathered just before its forward and again before its backward, and its gradient is
+reduce-scattered back into the shards. Prefetch, mixed precision and deferred init.
 
     torchrun --standalone --nproc_per_node=2 train_fsdp.py
-    torchrun --standalone --nproc_per_node=8 train_fsdp.py --model gpt2-xl --data data/openwebtext \
-        --block_size 1024 --dtype bfloat16
+    torchrun --nproc_per_node=8 train_fsdp.py --model gpt2-xl --data data/openwebtext --block_size 1024 --dtype bfloat16
     torchrun --standalone --nproc_per_node=2 train_fsdp.py --impl torch     # PyTorch's FSDP2 fully_shard, the yardstick
 
 Reads top to bottom: arguments -> process groups -> model -> strategy -> loop -> checkpoint.
@@ -33,19 +32,17 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 
 class FlatParameter:
-    """The parameters of one unit that share a kind (with weight decay, without, frozen), end to end in one flat
-    buffer padded to a multiple of the group size. This rank keeps elements [rank * shard_size, (rank + 1) *
-    shard_size) as `shard`, a float32 nn.Parameter: the master weights, all the optimizer sees. While gathered,
-    `full` is the whole buffer in the compute dtype and each original parameter is a plain attribute of the
-    module(s) using it, a view into `full`: module code runs unchanged, and autograd sums the views' gradients
-    into the gradient of `full` (a tied parameter's too, one view per module)."""
+    """One unit's parameters of one kind (decayed, not decayed, frozen) end to end in one buffer, padded to a
+    multiple of the group size; this rank keeps 1/N of it as `shard`, the float32 master weights. While gathered,
+    `full` is the whole buffer in the compute dtype and each original parameter a plain attribute viewing it:
+    module code runs unchanged, and autograd sums the views' gradients (a tied one's too) into that of `full`."""
 
-    def __init__(self, entries, group, device, dtype, initial_value, gathered):
+    def __init__(self, entries, wrapper, device, initial_value):
         self.names, params, self.uses = zip(*entries)  # entries: (name, parameter, its (module, attribute) uses)
-        self.dtype, self.gathered = dtype, gathered
+        self.wrapper, self.group, self.dtype = wrapper, wrapper.group, wrapper.compute_dtype
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.shapes, self.sizes = [p.shape for p in params], [p.numel() for p in params]
         self.decay = all(p.dim() >= 2 for p in params)
-        self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.shard_size = -(-sum(self.sizes) // self.world)
         self.padding = self.shard_size * self.world - sum(self.sizes)
         shard = torch.zeros(self.shard_size, device=device)  # the padding stays zero: no gradient, no decay
@@ -63,73 +60,62 @@ class FlatParameter:
                 yield index, begin, end, offset + begin - first
             offset += size
 
-    def gather(self):
-        """Start the all-gather of `full`; wait() ends it. The shard is cast first: bf16 moves half the bytes."""
+    def gather(self, wait=True):
+        """Start the all-gather of `full` if needed (cast first: bf16 moves half the bytes), then wait for it."""
         if self.full is None and self.work is None:
             self.incoming = torch.empty(self.shard_size * self.world, dtype=self.dtype, device=self.shard.device)
             self.sent = self.shard.detach().to(self.dtype)
             self.work = all_gather_single(self.incoming, self.sent, group=self.group, async_op=True)
-
-    def wait(self):
-        if self.work is not None:
+        if wait and self.work is not None:
             self.work.wait()
             self.full, self.incoming, self.sent, self.work = self.incoming, None, None, None
-            self.gathered[self.full.untyped_storage().data_ptr()] = self
+            self.wrapper.gathered[self.full.untyped_storage().data_ptr()] = self
 
-    def use_views(self, wrapper):
+    def use_views(self):
         full = self.full
         if torch.is_grad_enabled() and self.shard.requires_grad:
-            full = Unshard.apply(self.shard, full, wrapper, self)
+            full = Unshard.apply(self.shard, full, self)
         for view, shape, uses in zip(full.split(self.sizes + [self.padding]), self.shapes, self.uses):
             for module, attribute in uses:
                 setattr(module, attribute, view.view(shape))
 
     def free(self):
-        self.wait()  # a prefetch nobody used: let it land, then drop it
+        if self.work is not None:  # a prefetch nobody used: let it land, then drop it
+            self.gather()
         for module, attribute in (use for uses in self.uses for use in uses):
             module.__dict__.pop(attribute, None)  # a use while sharded fails loudly instead of running without it
         if self.full is not None:
-            del self.gathered[self.full.untyped_storage().data_ptr()]
+            del self.wrapper.gathered[self.full.untyped_storage().data_ptr()]
             self.full = None
 
 
 class Unshard(torch.autograd.Function):
-    """Identity from the shard to the gathered buffer: autograd calls backward with the buffer's gradient once
-    every view of it has its own, i.e. when the unit's backward is over. The shard's gradient is not returned
-    but accumulated when its reduce-scatter lands."""
+    """Identity from the shard to the gathered buffer, so that autograd calls backward once, with the buffer's
+    whole gradient, when the unit's backward is over; the shard's gradient arrives by reduce-scatter instead."""
 
     @staticmethod
-    def forward(ctx, shard, full, wrapper, flat):
-        ctx.wrapper, ctx.flat = wrapper, flat
+    def forward(ctx, shard, full, flat):
+        ctx.flat = flat
         return full
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.wrapper.reduce_scatter(ctx.flat, grad)
+        ctx.flat.wrapper.reduce_scatter(ctx.flat, grad)
         ctx.flat.free()
-        return None, None, None, None
-
-
-def current_value(name, param):
-    if param.is_meta:
-        raise ValueError(f"parameter {name} is on meta: pass initial_value to say what it starts as")
-    return param.detach()
+        return None, None, None
 
 
 class FullyShardedDataParallel(nn.Module):
-    """ZeRO-3 on any nn.Module, over `process_group`. Units: the module itself (the root) and each of `units`
-    (default: its `blocks`, if any; nested ones after the units holding them). A parameter belongs to the
-    innermost unit holding every module that uses it, so a weight tied across units lives in the root, which
-    stays gathered from the start of forward to the end of backward. Units are gathered and computed in
-    `compute_dtype` (bfloat16 or float16 for mixed precision); shards, AdamW and the gradient reduction stay
-    float32. initial_value(name, parameter) gives a parameter's full local value (default: its current one; on
-    `meta`, pass a function): each rank materialises only its shards. layout(name, shape) gives the (full
-    shape, box) a parameter covers in checkpoints (default: all of it; a tensor-parallel slice narrows it)."""
+    """ZeRO-3 on any nn.Module. Units: the root module and each of `units` (default: its `blocks`; nested ones
+    after their holders). A parameter belongs to the innermost unit holding every module using it: a weight tied
+    across units lives in the root, gathered from the start of forward to the end of backward. Units compute in
+    `compute_dtype`; shards, AdamW and gradient reduction stay float32. initial_value(name, parameter): its full
+    value (default: the current one; required on meta). layout(name, shape): its (full shape, box) in checkpoints."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=None, layout=None):
         super().__init__()
-        self.module, self.group = module, process_group or dist.group.WORLD
+        self.module, self.group, self.compute_dtype = module, process_group or dist.group.WORLD, compute_dtype
         self.reshard_after_forward = reshard_after_forward
         self.layout = layout or (lambda name, shape: (tuple(shape), tuple((0, n) for n in shape)))
         unit_modules = [module] + list(getattr(module, "blocks", []) if units is None else units)
@@ -139,6 +125,8 @@ class FullyShardedDataParallel(nn.Module):
             for attribute, param in list(sub._parameters.items()):
                 if param is not None:
                     name = f"{module_name}.{attribute}".lstrip(".")
+                    if param.is_meta and initial_value is None:
+                        raise ValueError(f"parameter {name} is on meta: pass initial_value to say what it starts as")
                     params.setdefault(param, (name, param, []))[2].append((sub, attribute))
                     del sub._parameters[attribute]  # from now on a plain attribute, present while gathered
         kinds = [{} for _ in unit_modules]
@@ -146,10 +134,10 @@ class FullyShardedDataParallel(nn.Module):
             holders = {owner[sub] for sub, _ in entry[2]}
             kind = (entry[1].requires_grad, entry[1].dim() >= 2)
             kinds[holders.pop() if len(holders) == 1 else 0].setdefault(kind, []).append(entry)
-        initial_value = initial_value or current_value
+        initial_value = initial_value or (lambda name, param: param.detach())
         self.gathered = {}  # storage address of a gathered buffer -> its FlatParameter: the saved-tensor hooks' map
-        self.units = [[FlatParameter(entries, self.group, device, compute_dtype, initial_value, self.gathered)
-                       for entries in unit.values()] for unit in kinds]
+        self.units = [[FlatParameter(entries, self, device, initial_value) for entries in unit.values()]
+                      for unit in kinds]
         self.flats = [flat for unit in self.units for flat in unit]
         self.shards = nn.ParameterList(flat.shard for flat in self.flats)
         for index, unit in enumerate(unit_modules):
@@ -162,12 +150,14 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def gather(self, index, prefetch=None):
-        """Make unit `index` available, first starting the gather of unit `prefetch` so it overlaps its compute."""
-        for flat in self.units[index] + (self.units[prefetch] if prefetch is not None else []):
-            flat.gather()
+    def gather(self, index, direction):
+        """Make unit `index` available, first starting the gather of the unit that runs next in this direction
+        (forward +1, backward -1) to overlap this one's compute; after the last unit comes the root again."""
+        following = self.order[(self.order.index(index) + direction) % len(self.order)]
+        for flat in self.units[index] + self.units[following]:
+            flat.gather(wait=False)
         for flat in self.units[index]:
-            flat.wait()
+            flat.gather()
 
     @torch.compiler.disable  # --compile: the model compiles between the units' hooks, which run as written
     def _before_forward(self, index, module, args):
@@ -178,10 +168,9 @@ class FullyShardedDataParallel(nn.Module):
             # then; saved as a reference instead, they are read from the buffer gathered again for backward.
             self.saved_tensor_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self.saved_tensor_hooks.__enter__()
-        position = self.order.index(index)
-        self.gather(index, self.order[position + 1] if position + 1 < len(self.order) else None)
+        self.gather(index, +1)
         for flat in self.units[index]:
-            flat.use_views(self)
+            flat.use_views()
 
     @torch.compiler.disable
     def _after_forward(self, index, module, args, output):
@@ -199,8 +188,7 @@ class FullyShardedDataParallel(nn.Module):
         if not self.backward_callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
             self.backward_callback_queued = True
-        # Backward runs the units in reverse; from the root, whose backward spans everything, the last is next.
-        self.gather(index, self.order[self.order.index(index) - 1])
+        self.gather(index, -1)
 
     def _after_backward(self):
         self.finish_reduce_scatter()
@@ -218,9 +206,7 @@ class FullyShardedDataParallel(nn.Module):
         if isinstance(saved, torch.Tensor):
             return saved
         flat, shape, stride, offset = saved
-        if flat.full is None:  # read after its unit's backward freed it (a frozen parameter): gather it again
-            flat.gather()
-            flat.wait()
+        flat.gather()  # gathered already, unless its unit's backward freed it (a frozen parameter read later)
         return flat.full.as_strided(shape, stride, offset)
 
     def reduce_scatter(self, flat, grad):
@@ -244,27 +230,18 @@ class FullyShardedDataParallel(nn.Module):
         trained = [flat for flat in self.flats if flat.shard.requires_grad]
         return [f.shard for f in trained if f.decay], [f.shard for f in trained if not f.decay]
 
-    def local_grad_norm_squared(self):
-        """This rank's term of the squared global gradient norm: its gradient shards, padding excluded."""
-        total = torch.zeros((), device=self.shards[0].device)
-        for flat in (flat for flat in self.flats if flat.shard.grad is not None):
-            valid = max(0, min(flat.shard_size, sum(flat.sizes) - flat.rank * flat.shard_size))
-            total += flat.shard.grad[:valid].float().pow(2).sum()
-        return total
-
     def clip_grad_norm_(self, max_norm):
-        """torch.nn.utils.clip_grad_norm_ of the whole model, with one all-reduce."""
-        total = self.local_grad_norm_squared()
+        """torch.nn.utils.clip_grad_norm_ of the whole model with one all-reduce (padding's gradient is zero)."""
+        grads = [shard.grad for shard in self.shards if shard.grad is not None]
+        total = sum((grad.pow(2).sum() for grad in grads), torch.zeros((), device=self.shards[0].device))
         dist.all_reduce(total, group=self.group)
         norm = total.sqrt()
-        grads = [shard.grad for shard in self.shards if shard.grad is not None]
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm
 
     @torch.no_grad()
     def named_full_parameters(self):
-        """(name, full float32 tensor) of every original parameter, from the master shards, one flat buffer at a
-        time. A collective: every rank iterates to the end."""
+        """(name, full float32 tensor) of every parameter, one flat buffer at a time; every rank must iterate."""
         for flat in self.flats:
             full = torch.empty(flat.shard_size * flat.world, device=flat.shard.device)
             all_gather_single(full, flat.shard.detach(), group=self.group)
@@ -273,12 +250,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def slots(self):
         """A gpt.Slot for each piece of an original parameter in this rank's shards: the checkpoint layout."""
-        slots = []
-        for flat in self.flats:
-            for index, begin, end, start in flat.local_pieces():
-                shape, box = self.layout(flat.names[index], flat.shapes[index])
-                slots.append(gpt.Slot(flat.names[index], shape, box, (begin, end), flat.shard, start))
-        return slots
+        return [gpt.Slot(flat.names[index], *self.layout(flat.names[index], flat.shapes[index]), (begin, end),
+                         flat.shard, start) for flat in self.flats for index, begin, end, start in flat.local_pieces()]
 
 
 def apply_fully_shard(model, config, args, device, compute_dtype):
@@ -289,7 +262,7 @@ def apply_fully_shard(model, config, args, device, compute_dtype):
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for module in [*model.blocks, model]:
         fully_shard(module, mp_policy=policy, reshard_after_forward=not args.no_reshard)
-    if args.deferred_init:
+    if not args.no_deferred_init:
         model.to_empty(device=device)
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -315,9 +288,8 @@ def main(argv=None):
     parser = gpt.get_parser(__doc__)
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from its forward to its backward")
-    parser.add_argument("--deferred_init", action="store_true", default=True,
-                        help="build on meta; each rank materialises and initialises only its own shards")
-    parser.add_argument("--no_deferred_init", dest="deferred_init", action="store_false", help="build the whole model first")
+    parser.add_argument("--no_deferred_init", action="store_true",
+                        help="build the whole model first (default: on meta; each rank initialises only its shards)")
     args = parser.parse_args(argv)
 
     # ---- process groups: every rank is one data-parallel rank holding 1/world of the model
@@ -352,9 +324,9 @@ def main(argv=None):
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
     # ---- model: built on meta, left there for the strategy to materialise shard by shard (--no_deferred_init: whole)
-    with torch.device("meta" if args.deferred_init else device):
+    with torch.device(device if args.no_deferred_init else "meta"):
         model = gpt.GPT(config)
-    if not args.deferred_init:
+    if args.no_deferred_init:
         model.init_weights(args.seed)
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
     num_params, num_params_without_position = model.num_params(), model.num_params(with_position_embedding=False)
@@ -369,7 +341,7 @@ def main(argv=None):
         initial_value = lambda name, param: gpt.initial_value(name, param.shape, config, args.seed)  # noqa: E731
         model = FullyShardedDataParallel(model, device=device, compute_dtype=getattr(torch, args.dtype),
                                          reshard_after_forward=not args.no_reshard,
-                                         initial_value=initial_value if args.deferred_init else None)
+                                         initial_value=None if args.no_deferred_init else initial_value)
         decay, no_decay = model.parameter_groups()
         clip_grad_norm = model.clip_grad_norm_
     optimizer = gpt.make_optimizer(decay, no_decay, args, device)
