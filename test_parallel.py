@@ -139,15 +139,24 @@ def run_distributed(world_size, fn, *args):
 launches_its_own_ranks = pytest.mark.skipif(LAUNCHED_WORLD > 1, reason="launches torchrun or forks ranks itself")
 
 
-@pytest.fixture
-def shared_tmp(tmp_path):
-    """A folder every rank sees: rank 0's tmp_path when torchrun launched the ranks."""
+def _same_on_every_rank(path):
+    """Rank 0's path on every rank when torchrun launched the ranks: each process has its own pytest tmp folders,
+    and the ranks of one run must write into one folder."""
     if LAUNCHED_WORLD == 1:
-        return tmp_path
+        return path
     _ensure_launched_group()
-    path = [str(tmp_path)]
+    path = [str(path)]
     dist.broadcast_object_list(path, src=0)
     return path[0]
+
+
+@pytest.fixture
+def shared_tmp(tmp_path):
+    return _same_on_every_rank(tmp_path)
+
+
+def shared_folder(tmp_path_factory, name):
+    return _same_on_every_rank(tmp_path_factory.mktemp(name))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -171,9 +180,12 @@ elements by ~1e-3."""
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-    """The embedded default corpus, prepared once per session (~1 s)."""
-    folder = tmp_path_factory.mktemp("corpus")
-    prepare_data.prepare_default(str(folder))
+    """The embedded default corpus, prepared once per session (~1 s); under torchrun by rank 0, for every rank."""
+    folder = _same_on_every_rank(tmp_path_factory.mktemp("corpus"))
+    if LAUNCHED_WORLD == 1 or dist.get_rank() == 0:
+        prepare_data.prepare_default(str(folder))
+    if LAUNCHED_WORLD > 1:
+        dist.barrier()
     return str(folder)
 
 
@@ -262,6 +274,20 @@ def _train_until(main, crash_step, argv):
         return "crashed"
     finally:
         gpt.get_lr = real_get_lr
+
+
+class RecordOutputs(TorchDispatchMode):
+    """Every tensor an aten operation returns while active, forward and backward, as (operation, tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.outputs += [(func, t.detach()) for t in (out if isinstance(out, (tuple, list)) else [out])
+                         if isinstance(t, torch.Tensor)]
+        return out
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -568,7 +594,7 @@ def _train_recording_rows(argv):
             rows.setdefault(step, []).extend(row.tobytes() for row in x.numpy())
         return x, y
 
-    gpt.BatchSampler.get = get  # in this forked worker only
+    gpt.BatchSampler.get = get
     try:
         train_ddp.main(argv)
     finally:
@@ -584,7 +610,7 @@ def ddp_run(corpus, tmp_path_factory, world_size, **overrides):
     token rows by step)."""
     key = (world_size, tuple(sorted(overrides.items())))
     if key not in _ddp_runs:
-        out_dir = tmp_path_factory.mktemp("ddp")
+        out_dir = shared_folder(tmp_path_factory, "ddp")
         rows = run_distributed(world_size, _train_recording_rows, flags(corpus, out_dir, **overrides))
         _ddp_runs[key] = read_run(str(out_dir)), rows
     return _ddp_runs[key]
@@ -672,7 +698,7 @@ _communication = {}
 def recorded_communication(corpus, tmp_path_factory):
     """Rank 0's events of a 2-rank run with 0.25 MiB buckets (several buckets for the tiny model's 3.4 MB)."""
     if not _communication:
-        argv = flags(corpus, tmp_path_factory.mktemp("ddp_events"), bucket_mb=0.25)
+        argv = flags(corpus, shared_folder(tmp_path_factory, "ddp_events"), bucket_mb=0.25)
         _communication["rank 0"] = run_distributed(2, _train_recording_communication, argv)[0]
     return _communication["rank 0"]
 
@@ -849,28 +875,13 @@ def test_fsdp_ours_matches_fully_shard(corpus, shared_tmp):
     assert_runs_match(runs["ours"], runs["torch"])
 
 
-class LargestAllocation(TorchDispatchMode):
-    """Records the largest tensor any aten operation creates while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in (out if isinstance(out, (tuple, list)) else [out]):
-            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-                self.largest = max(self.largest, tensor.numel())
-        return out
-
-
 def _build(config, seed=5):
     with torch.device("meta"):
         model = gpt.GPT(config)
-    with LargestAllocation() as allocations:
+    with RecordOutputs() as allocations:
         fsdp = train_fsdp.FullyShardedDataParallel(
             model, initial_value=lambda name, param: gpt.initial_value(name, param.shape, config, seed))
-    return model, fsdp, allocations.largest
+    return model, fsdp, max(t.numel() for _, t in allocations.outputs if t.device.type != "meta")
 
 
 def _deferred_init():
@@ -974,9 +985,12 @@ def _prefetch_order():
         block.register_forward_pre_hook(lambda *_, i=index: events.append(("start", i)), prepend=True)
         block.register_forward_hook(lambda *_, i=index: events.append(("end", i)), prepend=True)
     x = torch.randint(0, 256, (2, 32))
-    fsdp(x, x).backward()  # the first forward learns the order of the units
-    events.clear()
-    fsdp(x, x).backward()
+    try:
+        fsdp(x, x).backward()  # the first forward learns the order of the units
+        events.clear()
+        fsdp(x, x).backward()
+    finally:
+        train_fsdp.all_gather_single = real_gather  # a launched world runs the next tests in this process
     return events, len(fsdp.units)
 
 
@@ -1130,29 +1144,14 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy(scale):
         assert finite and loss_error < 1e-6 and grad_error < 1e-6, (loss_error, grad_error)
 
 
-class _Shapes(TorchDispatchMode):
-    """Every shape an operator produces, forward and backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(tensor, torch.Tensor):
-                self.shapes.append(tuple(tensor.shape))
-        return out
-
-
 def _holds_whole_logits(loss_parallel):
     config = gpt.make_config("tiny", vocab_size=300, block_size=16)  # padded to 384: no other size is 384
     model = _tensor_parallel_model(config, 0, loss_parallel=loss_parallel)
     idx = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
-    with _Shapes() as mode:
+    with RecordOutputs() as mode:
         model(idx, idx).backward()
     whole = 2 * 16 * 384  # tokens x padded vocabulary, in any shape (the all-gather's flat buffer included)
-    return any(384 in shape or np.prod(shape) == whole for shape in mode.shapes)
+    return any(384 in tensor.shape or tensor.numel() == whole for _, tensor in mode.outputs)
 
 
 def test_loss_parallel_never_holds_whole_logits():
@@ -1199,28 +1198,14 @@ def test_column_and_row_parallel_linear_alone(sequence_parallel):
         assert max(errors) < 1e-6, errors
 
 
-class _Masks(TorchDispatchMode):
-    """The dropout masks drawn (bernoulli_ outputs), in order."""
-
-    def __init__(self):
-        super().__init__()
-        self.masks = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if "bernoulli" in func.__name__:
-            self.masks.append(out.detach().numpy().copy())
-        return out
-
-
 def _dropout_masks():
     config = gpt.make_config("tiny", vocab_size=256, block_size=16, dropout=0.5)
     torch.manual_seed(1234)  # as train_tp.main: the default generator is the same on every tp rank
     model = _tensor_parallel_model(config, 0, dropout_seed=1234 + 2 + dist.get_rank())
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    with _Masks() as mode:
+    with RecordOutputs() as mode:
         model(idx, idx).backward()
-    return mode.masks
+    return [mask.numpy().copy() for op, mask in mode.outputs if "bernoulli" in op.__name__]  # dropout, in order
 
 
 def test_tp_dropout_differs_inside_the_region_and_agrees_outside():
@@ -1241,7 +1226,10 @@ def _replicated_after_training(argv):
     models = []
     parallelize = train_tp.parallelize
     train_tp.parallelize = lambda model, *args: models.append(model) or parallelize(model, *args)
-    train_tp.main(argv)
+    try:
+        train_tp.main(argv)
+    finally:
+        train_tp.parallelize = parallelize  # a launched world runs the next tests in this process
     return {name: param.detach().numpy() for name, param, layout in train_tp.parameter_layouts(models[0])
             if not layout.sharded}
 
@@ -1316,7 +1304,7 @@ _2d_runs = {}
 def run_2d(corpus, tmp_path_factory, world_size, **overrides):
     key = (world_size, tuple(sorted(overrides.items())))
     if key not in _2d_runs:
-        out_dir = tmp_path_factory.mktemp("2d")
+        out_dir = shared_folder(tmp_path_factory, "2d")
         run_distributed(world_size, train_2d.main, flags(corpus, out_dir, **overrides))
         _2d_runs[key] = read_run(str(out_dir))
     return _2d_runs[key]
