@@ -25,8 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
-from torch.distributed.tensor.parallel import loss_parallel as dtensor_loss_parallel
+                                               loss_parallel as dtensor_loss_parallel, parallelize_module)
 
 import gpt
 from prepare_data import get_tokenizer
@@ -36,65 +35,52 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _identity(x, group, dim=1):
-    return x
-
-
-def _all_reduce(x, group, dim=1):
+def _all_reduce(x, group, dim):
     dist.all_reduce(x, group=group)  # in place: x is always a fresh product (a matmul's output or input gradient)
     return x
 
 
-def _all_gather(x, group, dim=1):
-    """Concatenate every rank's x along dim (gloo wants a flat output buffer: gather flat, then reorder)."""
-    world, dim = dist.get_world_size(group), dim % x.dim()
-    out = x.new_empty(world * x.numel())
+def _all_gather(x, group, dim):
+    out = x.new_empty(dist.get_world_size(group) * x.numel())  # gloo gathers only into a flat buffer
     all_gather_single(out, x.contiguous().view(-1), group=group)
-    return out.view(world, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
+    return torch.cat(out.view(-1, *x.shape).unbind(), dim)
 
 
-def _reduce_scatter(x, group, dim=1):
-    """Sum x over the ranks, keep this rank's chunk along dim."""
-    world, dim = dist.get_world_size(group), dim % x.dim()
-    chunks = x.unflatten(dim, (world, -1)).movedim(dim, 0).contiguous()
+def _reduce_scatter(x, group, dim):
+    chunks = torch.stack(x.chunk(dist.get_world_size(group), dim))  # contiguous, rank i's chunk i-th
     out = x.new_empty(chunks.shape[1:])
     reduce_scatter_single(out.view(-1), chunks.view(-1), group=group)
     return out
 
 
-def _split(x, group, dim=1):
+def _split(x, group, dim):
     return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
 
 
 class Conjugate(torch.autograd.Function):
-    """One collective forward, its conjugate backward (Megatron-LM, section 3), along dimension dim."""
+    """One collective forward, its conjugate backward, along dim (Megatron-LM, section 3); None is the identity."""
 
     @staticmethod
     def forward(ctx, x, group, forward, backward, dim):
         ctx.group, ctx.backward, ctx.dim = group, backward, dim
-        return forward(x, group, dim)
+        return forward(x, group, dim) if forward else x
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.backward(grad, ctx.group, ctx.dim), None, None, None, None
+        return (ctx.backward(grad, ctx.group, ctx.dim) if ctx.backward else grad), None, None, None, None
 
 
 def f(x, group, sequence_parallel):
-    """Where a tensor-parallel region starts (Megatron's copy_to_tensor_model_parallel_region): identity forward,
-    all-reduce backward, summing the input gradients of the ranks' column slices. Under sequence parallelism
-    (gather_from_sequence_parallel_region) it all-gathers the sequence shards and reduce-scatters backward."""
-    return Conjugate.apply(x, group, *((_all_gather, _reduce_scatter) if sequence_parallel else (_identity, _all_reduce)), 1)
+    """Where a tensor-parallel region starts: identity forward, all-reduce backward, summing the column slices' input
+    gradients (Megatron's copy_to_tensor_model_parallel_region); under sequence parallelism all-gather forward,
+    reduce-scatter backward (gather_from_sequence_parallel_region)."""
+    return Conjugate.apply(x, group, *((_all_gather, _reduce_scatter) if sequence_parallel else (None, _all_reduce)), 1)
 
 
 def g(x, group, sequence_parallel):
-    """Where it ends, f's conjugate (reduce_from_tensor_model_parallel_region): all-reduce forward, summing the row
-    slices' partial products, identity backward; under sequence parallelism reduce-scatter / all-gather."""
-    return Conjugate.apply(x, group, *((_reduce_scatter, _all_gather) if sequence_parallel else (_all_reduce, _identity)), 1)
-
-
-def gather_from_tensor_parallel_region(logits, group):
-    """Whole logits from the vocabulary slices (--no_loss_parallel, and sampling); backward keeps this rank's slice."""
-    return Conjugate.apply(logits, group, _all_gather, _split, -1)
+    """Where it ends, f's conjugate: all-reduce forward, summing the row slices' partial products, identity backward;
+    under sequence parallelism reduce-scatter forward, all-gather backward."""
+    return Conjugate.apply(x, group, *((_reduce_scatter, _all_gather) if sequence_parallel else (_all_reduce, None)), 1)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -108,41 +94,40 @@ class Layout(NamedTuple):
     sharded: bool  # False: every rank of the group holds the same whole tensor
 
 
-def _rows(n, group):
-    size = n // dist.get_world_size(group)
-    return (dist.get_rank(group) * size, (dist.get_rank(group) + 1) * size)
+def _box(shape, dims, group):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return tuple((rank * n // world, (rank + 1) * n // world) if d in dims else (0, n) for d, n in enumerate(shape))
+
+
+def _shard(tensor, group, dim):
+    """An empty parameter for this rank's slice of tensor along dim (init_weights fills it), and its Layout."""
+    layout = Layout(tuple(tensor.shape), _box(tensor.shape, [dim], group), True)
+    return nn.Parameter(tensor.new_empty([stop - start for start, stop in layout.box])), layout
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_i = X A_i: the weight's output rows split, rank i computes its features (for q, k and v: its heads, rows
-    [h * head_dim, (h + 1) * head_dim) being head h). Its input is already in the tensor-parallel region: f runs
-    once per sublayer, in a pre-hook on the attention, the MLP and the LM head, not once for each of q, k and v."""
+    """Y_i = X A_i, output rows split: for q, k and v rank i's heads (rows [h * head_dim, (h + 1) * head_dim) are
+    head h). f is not here: it runs once per tensor-parallel region, in a pre-hook, not once for each of q, k, v."""
 
     def __init__(self, linear, group):
         super().__init__()
-        out_features, in_features = linear.weight.shape
-        rows = _rows(out_features, group)
-        self.weight = nn.Parameter(linear.weight.new_empty(rows[1] - rows[0], in_features))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.new_empty(rows[1] - rows[0]))
-        self.layouts = {"weight": Layout((out_features, in_features), (rows, (0, in_features)), True),
-                        "bias": Layout((out_features,), (rows,), True)}
+        self.bias, self.layouts = None, {}
+        for name, param in linear.named_parameters():  # weight [out, in] and bias [out]
+            shard, self.layouts[name] = _shard(param, group, 0)
+            setattr(self, name, shard)
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """Y = sum_i X_i A_i: the weight's input columns split; g sums the partial products, then the bias is added
-    once (a replicated parameter)."""
+    """Y = sum_i X_i A_i, input columns split; g sums the partial products, then adds the replicated bias once."""
 
     def __init__(self, linear, group, sequence_parallel):
         super().__init__()
-        out_features, in_features = linear.weight.shape
-        columns = _rows(in_features, group)
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(linear.weight.new_empty(out_features, columns[1] - columns[0]))
-        self.bias = linear.bias
-        self.layouts = {"weight": Layout((out_features, in_features), ((0, out_features), columns), True)}
+        self.group, self.sequence_parallel, self.bias = group, sequence_parallel, linear.bias
+        self.weight, layout = _shard(linear.weight, group, 1)
+        self.layouts = {"weight": layout}
 
     def forward(self, x):
         y = g(F.linear(x, self.weight), self.group, self.sequence_parallel)
@@ -150,39 +135,25 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank i holds rows [start, stop) of the (padded) vocabulary: ids outside it give zeros, and g sums the
-    ranks' rows (under sequence parallelism a reduce-scatter: the residual stream starts sharded)."""
+    """Rows [start, stop) of the padded vocabulary: other ids give zeros, and g sums the ranks' rows (under sequence
+    parallelism a reduce-scatter: the residual stream starts sharded)."""
 
     def __init__(self, embedding, group, sequence_parallel):
         super().__init__()
-        vocab, features = embedding.weight.shape
-        self.start, self.stop = _rows(vocab, group)
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(embedding.weight.new_empty(self.stop - self.start, features))
-        self.layouts = {"weight": Layout((vocab, features), ((self.start, self.stop), (0, features)), True)}
+        self.weight, layout = _shard(embedding.weight, group, 0)
+        self.layouts = {"weight": layout}
+        self.start, self.stop = layout.box[0]
 
     def forward(self, idx):
         outside = (idx < self.start) | (idx >= self.stop)
-        out = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
         return g(out, self.group, self.sequence_parallel)
 
 
-class SequenceShardOfPositions(nn.Module):
-    """Under sequence parallelism the token embeddings come out as this rank's sequence shard; so must the
-    position embeddings. The weight stays replicated; its gradient covers only these positions."""
-
-    def __init__(self, embedding, group):
-        super().__init__()
-        self.weight, self.group = embedding.weight, group
-
-    def forward(self, positions):
-        return F.embedding(_split(positions, self.group, 0), self.weight)
-
-
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of logits split over the vocabulary, never gathered: all-reduces of one number per
-    token (max, then sum of exponentials and target logit) replace an all-gather of [tokens, vocab]. Backward,
-    softmax minus one-hot on this rank's slice, needs no communication."""
+    """Per-token cross-entropy of vocabulary-split logits, never gathered: all-reduces of one number per token (max,
+    then sum of exponentials and target logit) replace an all-gather of [tokens, vocab]; backward sends nothing."""
 
     @staticmethod
     def forward(ctx, logits, targets, group):
@@ -204,40 +175,34 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_targets, outside = ctx.saved_tensors
-        one_hot = (~outside).to(softmax.dtype).unsqueeze(-1)
-        grad = softmax.scatter_add(-1, local_targets.unsqueeze(-1), -one_hot)
+        grad = softmax.scatter_add(-1, local_targets.unsqueeze(-1), -(~outside).to(softmax.dtype).unsqueeze(-1))
         return grad * grad_loss.unsqueeze(-1), None, None  # autograd casts it back to the logits' dtype
 
 
-class TensorParallelCrossEntropyLoss(nn.Module):
-    """gpt.GPT's loss_fn for logits split over the vocabulary: vocab-parallel, or (--no_loss_parallel) the usual
-    cross-entropy after every rank gathered the whole [tokens, vocab] logits."""
+class Loss(nn.Module):
+    """gpt.GPT.loss_fn is a module slot: this fills it with a function of (logits, targets)."""
 
-    def __init__(self, group, loss_parallel):
+    def __init__(self, function):
         super().__init__()
-        self.group, self.loss_parallel = group, loss_parallel
+        self.function = function
 
     def forward(self, logits, targets):
-        if self.loss_parallel:
-            return VocabParallelCrossEntropy.apply(logits, targets, self.group).mean()
-        return F.cross_entropy(gather_from_tensor_parallel_region(logits, self.group), targets)
+        return self.function(logits, targets)
 
 
 class TensorParallelRNG:
-    """Dropout inside the tensor-parallel region (attention probabilities of this rank's heads) must differ across
-    ranks, and outside it (the replicated residual stream) must agree. `swap` trades the default generator's state
-    with this region's own: a hook at the start of attention swaps it in, one on the output projection swaps back."""
+    """Dropout on this rank's heads must differ across ranks, on the replicated residual stream agree: `swap`, a
+    pre-hook on the attention and on its output projection, swaps the default generator's state with the region's."""
 
     def __init__(self, seed):
         self.seed, self.state = seed, None
 
     def swap(self, module, args):
-        device = args[0].device
-        current = gpt.rng_state(device)
+        current = gpt.rng_state(args[0].device)
         if self.state is None:
             torch.manual_seed(self.seed)
         else:
-            gpt.set_rng_state(self.state, device)
+            gpt.set_rng_state(self.state, args[0].device)
         self.state = current
 
 
@@ -247,20 +212,23 @@ def check_layout(config, tp, sequence_parallel):
              ("the MLP width", 4 * config.n_embd)]
     for what, n in sizes + [("--block_size", config.block_size)] * sequence_parallel:
         if n % tp:
-            raise ValueError(f"{what} ({n}) is not divisible by --tp {tp}: choose a --tp that divides it"
-                             + (" or run without --sequence_parallel" if what == "--block_size" else " or another --model"))
+            fix = "run without --sequence_parallel" if what == "--block_size" else "another --model"
+            raise ValueError(f"{what} ({n}) is not divisible by --tp {tp}: choose a --tp that divides it or {fix}")
 
 
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropout_seed=0):
-    """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place; on meta, before to_empty and
+    """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place, on meta before to_empty and
     init_weights. dropout_seed seeds the tensor-parallel region's dropout: different on every rank."""
-    tp = dist.get_world_size(group)
     model.wte = VocabParallelEmbedding(model.wte, group, sequence_parallel)
     model.lm_head = ColumnParallelLinear(model.lm_head, group)
     model.lm_head.weight = model.wte.weight  # tied: column-parallel over the same vocabulary slice
-    if sequence_parallel:
-        model.wpe = SequenceShardOfPositions(model.wpe, group)
-    model.loss_fn = TensorParallelCrossEntropyLoss(group, loss_parallel)
+    if sequence_parallel:  # the token embeddings come out as this rank's sequence shard: so must the positions
+        model.wpe.register_forward_pre_hook(lambda module, args: (_split(args[0], group, 0),))
+    gather = lambda logits: Conjugate.apply(logits, group, _all_gather, _split, -1)  # noqa: E731
+    if loss_parallel:
+        model.loss_fn = Loss(lambda logits, targets: VocabParallelCrossEntropy.apply(logits, targets, group).mean())
+    else:  # Megatron's parallel_output=False: every rank gathers the whole [tokens, vocab] logits
+        model.lm_head.register_forward_hook(lambda module, args, logits: gather(logits))
     regions, rng = [model.lm_head], TensorParallelRNG(dropout_seed)
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
@@ -273,36 +241,39 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
             attn.proj.register_forward_pre_hook(rng.swap)
     for module in regions:  # f once where each tensor-parallel region starts: q, k and v share one
         module.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel),))
-    add_sampling_hooks(model, tp, sequence_parallel, lambda logits: gather_from_tensor_parallel_region(logits, group))
-    return model
+    tp = dist.get_world_size(group)
+    return add_sampling_hooks(model, tp if sequence_parallel else 1, gather if loss_parallel else nn.Identity())
 
 
-def add_sampling_hooks(model, tp, sequence_parallel, gather):
-    """generate() calls model(idx) without targets, at any prompt length, and wants whole logits: pad the prompt to
-    a multiple of tp under sequence parallelism (causal attention: padding never reaches earlier positions), then
-    gather the logits over the vocabulary and drop the padding."""
+def add_sampling_hooks(model, multiple, gather):
+    """generate() calls model(idx) without targets, at any length, and wants whole logits: pad the prompt to a
+    multiple of the sequence shards (causal: padding never reaches earlier positions), gather, drop the padding."""
     lengths = []
 
     def pad(module, args, kwargs):
         if len(args) == 1 and kwargs.get("targets") is None:
             lengths.append(args[0].shape[1])
-            return (F.pad(args[0], (0, -args[0].shape[1] % tp if sequence_parallel else 0)),), kwargs
-
-    def gather_logits(module, args, kwargs, output):
-        if output.dim() == 3:
-            return gather(output)[:, :lengths.pop()]
+            return (F.pad(args[0], (0, -args[0].shape[1] % multiple)),), kwargs
 
     model.register_forward_pre_hook(pad, with_kwargs=True)
-    model.register_forward_hook(gather_logits, with_kwargs=True)
+    model.register_forward_hook(lambda module, args, out: gather(out)[:, :lengths.pop()] if out.dim() == 3 else None)
+    return model
 
 
+@torch.no_grad()  # a DTensor's to_local() is then its shard itself, not a differentiable view of it
 def parameter_layouts(model):
-    """(gpt.py name, local parameter, Layout) of every parameter; the tied LM head is listed once, as wte.weight."""
+    """(gpt.py name, local tensor, Layout) of every parameter, from our layers' `layouts` or a DTensor's placements;
+    the tied LM head is listed once, as wte.weight."""
     out = []
     for name, param in model.named_parameters():
         module_name, _, param_name = name.rpartition(".")
-        whole = Layout(tuple(param.shape), tuple((0, n) for n in param.shape), False)
-        out.append((name, param, getattr(model.get_submodule(module_name), "layouts", {}).get(param_name, whole)))
+        shape, whole = tuple(param.shape), tuple((0, n) for n in param.shape)
+        layout = getattr(model.get_submodule(module_name), "layouts", {}).get(param_name, Layout(shape, whole, False))
+        if isinstance(param, DTensor):
+            dims = [placement.dim for placement in param.placements if placement.is_shard()]
+            layout = Layout(shape, _box(shape, dims, param.device_mesh.get_group()), bool(dims))
+            param = param.to_local()
+        out.append((name, param, layout))
     return out
 
 
@@ -324,10 +295,9 @@ def allreduce_sequence_parallel_grads(layouts, group):
 
 
 def clip_grad_norm_(layouts, max_norm, group):
-    """The global norm over the full model: shards summed across the group, each replicated parameter counted once
-    (by rank 0 of the group), in one all-reduce; then clipped as torch.nn.utils.clip_grad_norm_ does."""
-    first = dist.get_rank(group) == 0
-    counted = [param.grad for _, param, layout in layouts if layout.sharded or first]
+    """The full model's norm in one all-reduce, shards summed over the group and replicated parameters counted once
+    (by rank 0 of the group); then clipped as torch.nn.utils.clip_grad_norm_ does."""
+    counted = [param.grad for _, param, layout in layouts if layout.sharded or dist.get_rank(group) == 0]
     norm_squared = torch.nn.utils.get_total_norm(counted) ** 2
     dist.all_reduce(norm_squared, group=group)
     total_norm = norm_squared.sqrt()
@@ -340,9 +310,8 @@ def clip_grad_norm_(layouts, max_norm, group):
 
 
 class DTensorLossParallel(torch.autograd.Function):
-    """torch's loss_parallel() cross-entropy on vocabulary-sharded DTensor logits. Its backward must run under
-    loss_parallel() too, and the loop's loss.backward() does not: build the graph on a detached input here and
-    run its backward inside the context."""
+    """loss_parallel() cross-entropy of vocabulary-sharded DTensor logits. Its backward must run under loss_parallel()
+    too, and the loop's loss.backward() does not: build the graph on a detached input, backward inside the context."""
 
     @staticmethod
     def forward(ctx, logits, targets):
@@ -358,60 +327,36 @@ class DTensorLossParallel(torch.autograd.Function):
         return ctx.logits.grad, None
 
 
-class DTensorCrossEntropyLoss(nn.Module):
-    def forward(self, logits, targets):
-        return DTensorLossParallel.apply(logits, targets)
-
-
 def parallelize_with_dtensor(model, mesh, sequence_parallel, loss_parallel):
     """The same layout from DTensor's parallel styles, as torchtitan writes it."""
     residual = Shard(1) if sequence_parallel else Replicate()
-    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     plan = {"wte": RowwiseParallel(input_layouts=Replicate()),  # nn.Embedding: vocabulary rows; output summed
-            "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                       use_local_output=not loss_parallel)}
+            "lm_head": ColwiseParallel(input_layouts=residual, use_local_output=not loss_parallel,
+                                       output_layouts=Shard(-1) if loss_parallel else Replicate()),
+            "blocks.*.attn.query": ColwiseParallel(), "blocks.*.attn.key": ColwiseParallel(),
+            "blocks.*.attn.value": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(output_layouts=residual),
+            "blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel(output_layouts=residual)}
     if sequence_parallel:  # wpe is added to the whole sequence, then the residual stream is cut into shards
-        plan.update(drop=PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                            use_local_output=True), ln_f=SequenceParallel())
-    for i in range(len(model.blocks)):
-        plan.update({f"blocks.{i}.attn.{name}": ColwiseParallel() for name in ("query", "key", "value")})
-        plan.update({f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=residual),
-                     f"blocks.{i}.mlp.fc": ColwiseParallel(), f"blocks.{i}.mlp.proj": RowwiseParallel(output_layouts=residual)})
-        if sequence_parallel:
-            plan.update({f"blocks.{i}.ln_1": SequenceParallel(), f"blocks.{i}.ln_2": SequenceParallel(),
-                         f"blocks.{i}.attn": gather_sequence, f"blocks.{i}.mlp": gather_sequence})
+        gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({"drop": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                use_local_output=True), "ln_f": SequenceParallel(),
+                     "blocks.*.ln_1": SequenceParallel(), "blocks.*.ln_2": SequenceParallel(),
+                     "blocks.*.attn": gather_sequence, "blocks.*.mlp": gather_sequence})
     parallelize_module(model, mesh, plan)
     model.lm_head.weight = model.wte.weight  # each style distributed its own copy of the tied weight
     if loss_parallel:
-        model.loss_fn = DTensorCrossEntropyLoss()
-    add_sampling_hooks(model, mesh.size(), sequence_parallel,
-                       lambda logits: logits.full_tensor() if isinstance(logits, DTensor) else logits)
-    return model
-
-
-@torch.no_grad()
-def dtensor_layouts(model):
-    """parameter_layouts() for a DTensor model: (name, local tensor, Layout) from each parameter's placements."""
-    out = []
-    for name, param in model.named_parameters():
-        if not isinstance(param, DTensor):
-            out.append((name, param, Layout(tuple(param.shape), tuple((0, n) for n in param.shape), False)))
-            continue
-        shard_dims = [p.dim for p in param.placements if p.is_shard()]
-        box = tuple(_rows(n, param.device_mesh.get_group()) if d in shard_dims else (0, n) for d, n in enumerate(param.shape))
-        out.append((name, param.to_local(), Layout(tuple(param.shape), box, bool(shard_dims))))
-    return out
+        model.loss_fn = Loss(DTensorLossParallel.apply)
+    whole = lambda logits: logits.full_tensor() if isinstance(logits, DTensor) else logits  # noqa: E731
+    return add_sampling_hooks(model, mesh.size() if sequence_parallel else 1, whole)
 
 
 def clip_grad_norm_dtensor_(parameters, max_norm):
-    """torch.nn.utils.clip_grad_norm_ refuses parameters on different meshes (DTensors and plain tensors here; under
-    train_2d.py, 2-D and data-parallel-only meshes): take each gradient's norm over its full tensor, then clip each
-    mesh's parameters apart with the same total."""
+    """torch.nn.utils.clip_grad_norm_ refuses parameters on different meshes (DTensors and plain tensors here, 2-D and
+    data-parallel-only meshes in train_2d.py): one total norm over the full tensors, then each mesh clipped apart."""
     parameters = list(parameters)
     norms = [torch.linalg.vector_norm(param.grad) for param in parameters]
     total_norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
-    meshes = {getattr(param, "device_mesh", None) for param in parameters}
-    for mesh in meshes:
+    for mesh in {getattr(param, "device_mesh", None) for param in parameters}:
         same = [param for param in parameters if getattr(param, "device_mesh", None) == mesh]
         torch.nn.utils.clip_grads_with_norm_(same, max_norm, total_norm)
     return total_norm
@@ -420,7 +365,7 @@ def clip_grad_norm_dtensor_(parameters, max_norm):
 @torch.no_grad()
 def local_view(optimizer):
     """AdamW's state as gpt.checkpoint_tensors reads it, keyed and valued by local tensors (a DTensor's shard)."""
-    local = lambda tensor: tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = lambda tensor: tensor.to_local() if isinstance(tensor, DTensor) else tensor  # noqa: E731
     return SimpleNamespace(state={local(p): {k: local(v) for k, v in s.items()} for p, s in optimizer.state.items()})
 
 
@@ -473,13 +418,15 @@ def main(argv=None):
     # ---- model: built on meta, parallelised there, materialised on the device, each slice initialised by name
     with torch.device("meta"):
         model = gpt.GPT(config)
-    if args.impl == "ours":
-        parallelize(model, dist.group.WORLD, args.sequence_parallel, not args.no_loss_parallel, args.seed + world_size + rank)
+    if args.impl == "ours":  # the last argument seeds dropout on this rank's heads
+        parallelize(model, dist.group.WORLD, args.sequence_parallel, not args.no_loss_parallel,
+                    args.seed + world_size + rank)
     else:
-        parallelize_with_dtensor(model, init_device_mesh(device.type, (tp,)), args.sequence_parallel, not args.no_loss_parallel)
+        parallelize_with_dtensor(model, init_device_mesh(device.type, (tp,)), args.sequence_parallel,
+                                 not args.no_loss_parallel)
     model.to_empty(device=device)
     model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
-    layouts = parameter_layouts(model) if args.impl == "ours" else dtensor_layouts(model)
+    layouts = parameter_layouts(model)
     init_weights(layouts, config, args.seed)
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
 
@@ -503,7 +450,8 @@ def main(argv=None):
     flops_per_token = gpt.flops_per_token(config, sum(full_sizes.values()) - full_sizes["wpe.weight"])
     peak_flops = gpt.peak_flops(device)
     if master or args.log_all_ranks:
-        modes = [args.impl] + ["sequence parallel"] * args.sequence_parallel + ["loss parallel"] * (not args.no_loss_parallel)
+        modes = [args.impl] + ["sequence parallel"] * args.sequence_parallel
+        modes += ["loss parallel"] * (not args.no_loss_parallel)
         print(f"{prefix}{args.model}: {sum(full_sizes.values()) / 1e6:.2f}M parameters | {world_size} ranks on {device} | "
               f"tensor parallel {tp} ({', '.join(modes)}) | "
               f"global batch {args.global_batch} = micro batch {micro_batch} x {train_data.accumulation} accumulation "
