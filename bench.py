@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -119,6 +120,7 @@ def strategies(args):
 
 def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, tmp):
     out_dir = os.path.join(tmp, f"{name}-{impl}-{ranks}-{global_batch}")
+    shutil.rmtree(out_dir, ignore_errors=True)  # the previous round's run: a fresh run refuses a used --out_dir
     comms_path = out_dir + ".comms.json"
     flags = ["--model", args.model, "--data", args.data, "--block_size", str(args.block_size),
              "--global_batch", str(global_batch), "--max_steps", str(args.steps), "--warmup_steps", "5",
@@ -130,6 +132,7 @@ def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, t
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                os.path.abspath(__file__), "--worker", script, "--profile_step", str(args.steps - 1),
                "--comms_out", comms_path, "--"] + flags
+    print(f"{name} {impl or ''} on {ranks} rank(s), global batch {global_batch}", flush=True)
     result = subprocess.run(command, env=env, cwd=HERE, capture_output=True, text=True)
     if result.returncode:
         print(result.stdout[-2000:] + "\n".join(l for l in result.stderr.splitlines() if not l.startswith("W1"))[-6000:])

@@ -43,6 +43,9 @@ class Bucket:
         return len(self.ready) == len(self.params)
 
 
+FIRST_BUCKET_MB = 1
+
+
 class DataParallel(nn.Module):
     """Wraps any module so that, after backward, every parameter's .grad is the mean of the ranks' gradients.
 
@@ -66,7 +69,10 @@ class DataParallel(nn.Module):
         self.buckets, group, size = [], [], 0
         for name, param in reversed(trainable):
             nbytes = param.numel() * param.element_size()
-            if group and (size + nbytes > bucket_mb * 2**20 or param.dtype != group[0][1].dtype):  # one dtype a buffer
+            # The first bucket is small, as in DistributedDataParallel: its all-reduce starts after the first few
+            # gradients instead of a whole bucket_mb of them, so communication overlaps most of backward.
+            cap = min(bucket_mb, FIRST_BUCKET_MB) if not self.buckets else bucket_mb
+            if group and (size + nbytes > cap * 2**20 or param.dtype != group[0][1].dtype):  # one dtype a buffer
                 self.buckets.append(Bucket(group))
                 group, size = [], 0
             group.append((name, param))
