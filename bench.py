@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -135,7 +136,8 @@ def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, t
     print(f"{name} {impl or ''} on {ranks} rank(s), global batch {global_batch}", flush=True)
     result = subprocess.run(command, env=env, cwd=HERE, capture_output=True, text=True)
     if result.returncode:
-        print(result.stdout[-2000:] + "\n".join(l for l in result.stderr.splitlines() if not l.startswith("W1"))[-6000:])
+        stderr = [line for line in result.stderr.splitlines() if not re.match(r"[WI]\d{4} ", line)]  # torchrun's banners
+        print(result.stdout[-2000:] + "\n".join(stderr)[-6000:])
         raise SystemExit(f"{name} ({impl}) failed: {' '.join(command)}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]

@@ -852,6 +852,22 @@ def test_ddp_wrapper_on_subgroups():
     assert run_distributed(4, _wrapper_on_subgroups) == [True] * 4
 
 
+@launches_its_own_ranks
+def test_bench_measures_what_ddp_sends(corpus, tmp_path):
+    """bench.py end to end (no timing asserted): the all-reduce bytes it reads from the profiler for one step of
+    either DDP equal the ring formula, 2 (N-1)/N x the gradient bytes, give or take the logged loss's 4 bytes."""
+    result_path = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "bench.py", "--strategies", "ddp", "--steps", "8", "--warmup", "2", "--rounds", "1",
+                    "--data", corpus, "--block_size", "32", "--json", str(result_path)],
+                   cwd=HERE, check=True, capture_output=True, timeout=300)
+    rows = {(row["strategy"], row["impl"]): row for row in json.loads(result_path.read_text())}
+    with torch.device("meta"):
+        gradient_bytes = 4 * gpt.GPT(gpt.make_config("tiny", 256, 32)).num_params()
+    for impl in ("ours", "torch"):
+        assert rows["ddp", impl]["comm_bytes"] == pytest.approx(2 * (2 - 1) / 2 * gradient_bytes, abs=64)
+        assert rows["ddp", impl]["tokens_per_s"] > 0
+
+
 # ------------------------------------------------------------------------------------------------------------
 # train_fsdp.py
 
