@@ -1558,20 +1558,24 @@ def assert_identical(run, reference):
 # Several nodes
 
 
-@launches_its_own_ranks
-def test_two_nodes_rendezvous_and_match_single_node(corpus, tmp_path, tmp_path_factory):
-    """Two torchrun launches, one rank each, meet through the c10d rendezvous as two nodes would, and compute
-    bit for bit what two ranks on one node compute, and what train_single computes within TOLERANCE."""
-    port = _free_port()
-    argv = flags(corpus, tmp_path / "out")
-    node = ("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=two-nodes", "train_ddp.py", *argv)
+def launch_two_nodes(tmp_path, ranks_per_node, script, argv):
+    """Two torchrun launches meeting through the c10d rendezvous as two nodes would; returns what both printed."""
+    node = ("--nnodes=2", f"--nproc-per-node={ranks_per_node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{_free_port()}", f"--rdzv-id=two-nodes-{script}", script, *argv)
     with launcher(tmp_path) as start:
         nodes = [start(*node), start(*node)]
         outcomes = [launch.wait() for launch in nodes]
     for code, output, _ in outcomes:
         assert code == 0, output[-5000:]
-    assert "2 rank" in "".join(output for _, output, _ in outcomes)
+    return "".join(output for _, output, _ in outcomes)
+
+
+@launches_its_own_ranks
+def test_two_nodes_rendezvous_and_match_single_node(corpus, tmp_path, tmp_path_factory):
+    """Two torchrun launches, one rank each, meet through the c10d rendezvous as two nodes would, and compute
+    bit for bit what two ranks on one node compute, and what train_single computes within TOLERANCE."""
+    output = launch_two_nodes(tmp_path, 1, "train_ddp.py", flags(corpus, tmp_path / "out"))
+    assert "2 rank" in output
     run = read_run(str(tmp_path / "out"))
     assert_identical(run, uninterrupted_ddp(corpus, tmp_path_factory))
     assert_runs_match(run, single_run(corpus, tmp_path_factory))
@@ -1582,16 +1586,8 @@ def test_two_nodes_of_two_ranks_train_2d(corpus, tmp_path, tmp_path_factory):
     """train_2d.py --tp 2 --dp 2 on two 2-rank "nodes": torchrun numbers a node's ranks consecutively, so each
     tensor-parallel group is one node and FSDP's data-parallel groups cross them; the run equals, bit for bit,
     the same grid forked on one machine."""
-    port = _free_port()
-    argv = flags(corpus, tmp_path / "out", tp=2, dp=2)
-    node = ("--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=two-nodes-2d", "train_2d.py", *argv)
-    with launcher(tmp_path) as start:
-        nodes = [start(*node), start(*node)]
-        outcomes = [launch.wait() for launch in nodes]
-    for code, output, _ in outcomes:
-        assert code == 0, output[-5000:]
-    assert "TP groups [[0, 1], [2, 3]] | DP groups [[0, 2], [1, 3]]" in "".join(output for _, output, _ in outcomes)
+    output = launch_two_nodes(tmp_path, 2, "train_2d.py", flags(corpus, tmp_path / "out", tp=2, dp=2))
+    assert "TP groups [[0, 1], [2, 3]] | DP groups [[0, 2], [1, 3]]" in output
     assert_identical(read_run(str(tmp_path / "out")), run_2d(corpus, tmp_path_factory, 4, tp=2, dp=2))
 
 
