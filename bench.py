@@ -28,6 +28,7 @@ import tempfile
 import torch
 
 import gpt
+import training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
@@ -98,7 +99,7 @@ def worker(script, argv, profile_step, out_path):
 
 def strategies(args):
     """name -> (script, ranks, extra flags, impls, group size of its collectives, formula bytes per step)."""
-    meta = gpt.ensure_data(args.data, is_writer=True)
+    meta = training.ensure_data(args.data, is_writer=True)
     config = gpt.make_config(args.model, meta["vocab_size"], args.block_size)
     with torch.device("meta"):
         n_params = gpt.GPT(config).num_params()
@@ -155,7 +156,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategies", default="single,ddp,fsdp,tp,2d")
     p.add_argument("--model", default="tiny")
-    p.add_argument("--data", default=gpt.DEFAULT_DATA_DIR)
+    p.add_argument("--data", default=training.DEFAULT_DATA_DIR)
     p.add_argument("--block_size", type=int, default=128)
     p.add_argument("--global_batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=30)

@@ -21,6 +21,8 @@ import urllib.request
 
 import numpy as np
 
+from training import ByteTokenizer, get_tokenizer
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 HF_DATASETS = {
@@ -29,47 +31,6 @@ HF_DATASETS = {
 }
 OFFLINE_OPTIONS = ("offline you can run `python prepare_data.py` (the embedded default corpus) "
                    "or `python prepare_data.py --input PATH` on local text files")
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, needs no files, never fails on any text."""
-    name, vocab_size, eot = "byte", 256, None
-
-    def encode(self, text):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-class GPT2Tokenizer:
-    """GPT-2's BPE through tiktoken; vocabulary 50257, documents separated by <|endoftext|>."""
-    name, vocab_size = "gpt2", 50257
-
-    def __init__(self):
-        import tiktoken
-
-        try:
-            self.encoding = tiktoken.get_encoding("gpt2")
-        except Exception as error:
-            raise SystemExit(f"could not load tiktoken's gpt2 BPE files ({type(error).__name__}): they are downloaded "
-                             "on first use. Use --tokenizer byte, or set TIKTOKEN_CACHE_DIR to a folder that holds them; "
-                             f"{OFFLINE_OPTIONS}")
-        self.eot = self.encoding.eot_token
-
-    def encode(self, text):
-        return self.encoding.encode_ordinary(text)
-
-    def decode(self, ids):
-        return self.encoding.decode([i for i in ids if i < self.vocab_size])
-
-
-def get_tokenizer(name):
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    raise ValueError(f"unknown tokenizer {name!r}: use gpt2 or byte")
 
 
 def write_split(path, chunks, total):

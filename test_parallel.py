@@ -43,6 +43,7 @@ import train_ddp  # noqa: E402
 import train_fsdp  # noqa: E402
 import train_single  # noqa: E402
 import train_tp  # noqa: E402
+import training  # noqa: E402
 
 # @record (torch.distributed.elastic) wants a real stderr for its fault handler; pytest's capture has none.
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
@@ -216,7 +217,7 @@ def read_run(out_dir):
     """A finished run's metrics and final weights, read through the shared checkpoint format."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         records = {r["step"]: r for r in map(json.loads, f) if "loss" in r}  # a resumed step overwrites its first try
-    checkpoint = gpt.Checkpoint(gpt.latest_checkpoint(out_dir))
+    checkpoint = training.Checkpoint(training.latest_checkpoint(out_dir))
     weights = {name: checkpoint.full(name).numpy() for name in checkpoint.pieces if "/" not in name}
     steps = sorted(records)
     return Run([records[s]["loss"] for s in steps], weights, [records[s]["grad_norm"] for s in steps])
@@ -232,7 +233,7 @@ def single_run(corpus, tmp_path_factory, **overrides):
     if key not in _single_runs:
         out_dir = tmp_path_factory.mktemp("single")
         threads, variable = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"  # gpt.get_device then leaves the thread count alone
+        os.environ["OMP_NUM_THREADS"] = "1"  # training.get_device then leaves the thread count alone
         torch.set_num_threads(1)
         try:
             train_single.main(flags(corpus, out_dir, **overrides))
@@ -260,20 +261,20 @@ class Crash(Exception):
 
 def _train_until(main, crash_step, argv):
     """main(argv), crashing at crash_step as a killed rank would (after its last checkpoint, before the next)."""
-    real_get_lr = gpt.get_lr
+    real_get_lr = training.get_lr
 
     def get_lr(step, args):
         if step == crash_step:
             raise Crash
         return real_get_lr(step, args)
 
-    gpt.get_lr = get_lr
+    training.get_lr = get_lr
     try:
         main(argv)
     except Crash:
         return "crashed"
     finally:
-        gpt.get_lr = real_get_lr
+        training.get_lr = real_get_lr
 
 
 class RecordOutputs(TorchDispatchMode):
@@ -366,13 +367,13 @@ def test_flops_and_mfu_need_a_known_device():
     config = gpt.make_config("gpt2", vocab_size=50257, block_size=1024)
     n = 124_475_904 - 1024 * 768  # GPT-2 small with padded vocab, without position embeddings
     assert gpt.flops_per_token(config, n) == 6 * n + 12 * 12 * 12 * 64 * 1024
-    assert gpt.peak_flops(torch.device("cpu")) is None
+    assert training.peak_flops(torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("micro_batch", [1, 2, 4])
 def test_sampler_rows_partition_the_global_batch(corpus, micro_batch):
     path = os.path.join(corpus, "train.bin")
-    sample = lambda dp_rank, dp_size: gpt.BatchSampler(path, 16, 16, micro_batch, dp_rank, dp_size, seed=3,
+    sample = lambda dp_rank, dp_size: training.BatchSampler(path, 16, 16, micro_batch, dp_rank, dp_size, seed=3,
                                                        device=torch.device("cpu"))
     one = sample(0, 1)
     reference = {}  # global row -> tokens, from the single-device layout
@@ -393,28 +394,28 @@ def test_sampler_rows_partition_the_global_batch(corpus, micro_batch):
         assert sorted(seen) == list(range(16)), "data-parallel ranks overlap or miss rows"
     assert not torch.equal(one.get(5, 0)[0], one.get(6, 0)[0])
     with pytest.raises(ValueError, match="not a multiple of --micro_batch"):
-        gpt.BatchSampler(path, 16, 16, 3, 0, 2, 0, torch.device("cpu"))
+        training.BatchSampler(path, 16, 16, 3, 0, 2, 0, torch.device("cpu"))
 
 
 def test_lr_schedule():
-    args = gpt.get_parser("").parse_args(["--lr", "1.0", "--min_lr", "0.1", "--warmup_steps", "10", "--max_steps", "110"])
-    assert gpt.get_lr(0, args) == pytest.approx(0.1)
-    assert gpt.get_lr(9, args) == pytest.approx(1.0)
-    assert gpt.get_lr(60, args) == pytest.approx(0.55)
-    assert gpt.get_lr(110, args) == pytest.approx(0.1)
+    args = training.get_parser("").parse_args(["--lr", "1.0", "--min_lr", "0.1", "--warmup_steps", "10", "--max_steps", "110"])
+    assert training.get_lr(0, args) == pytest.approx(0.1)
+    assert training.get_lr(9, args) == pytest.approx(1.0)
+    assert training.get_lr(60, args) == pytest.approx(0.55)
+    assert training.get_lr(110, args) == pytest.approx(0.1)
 
 
 def test_checkpoint_pieces_assemble_any_layout(tmp_path):
     """Pieces cut as a tensor-parallel box, an FSDP flat range, or both, assemble into the full tensor."""
     full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
     column_halves = [((0, 6), (0, 4)), ((0, 6), (4, 8))]
-    pieces = [gpt.piece(full.shape, full[:, 0:4].flatten()[:10], column_halves[0], (0, 10)),
-              gpt.piece(full.shape, full[:, 0:4].flatten()[10:], column_halves[0], (10, 24)),
-              gpt.piece(full.shape, full[:, 4:8], column_halves[1])]
+    pieces = [training.piece(full.shape, full[:, 0:4].flatten()[:10], column_halves[0], (0, 10)),
+              training.piece(full.shape, full[:, 0:4].flatten()[10:], column_halves[0], (10, 24)),
+              training.piece(full.shape, full[:, 4:8], column_halves[1])]
     for rank, mine in enumerate([pieces[:1], pieces[1:]]):
-        gpt.save_shard(str(tmp_path), 3, rank, {"w": mine}, rng_state=None)
-    gpt.publish_checkpoint(str(tmp_path), 3, 2, {"config": {}})
-    checkpoint = gpt.Checkpoint(gpt.latest_checkpoint(str(tmp_path)))
+        training.save_shard(str(tmp_path), 3, rank, {"w": mine}, rng_state=None)
+    training.publish_checkpoint(str(tmp_path), 3, 2, {"config": {}})
+    checkpoint = training.Checkpoint(training.latest_checkpoint(str(tmp_path)))
     assert torch.equal(checkpoint.full("w"), full)
 
 
@@ -436,7 +437,7 @@ def test_prepare_data_local_text(tmp_path):
     val = np.fromfile(out / "val.bin", dtype=np.uint16)
     assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
     assert len(train) + len(val) == sum(len((line + "\n").encode()) for line in lines)
-    text = prepare_data.ByteTokenizer().decode(np.concatenate([train, val]).tolist())
+    text = training.ByteTokenizer().decode(np.concatenate([train, val]).tolist())
     assert sorted(text.splitlines()) == sorted(lines)  # every line once, whole, in one split or the other
     assert 0 < len(val) < len(train)
     assert json.loads((out / "meta.json").read_text()) == meta
@@ -461,7 +462,7 @@ def test_download_without_network_fails_at_once_naming_offline_options(tmp_path,
 
 
 def test_default_corpus(corpus):
-    meta = gpt.load_meta(corpus)
+    meta = training.load_meta(corpus)
     assert meta["tokenizer"] == "byte" and meta["train_tokens"] > 10_000_000 and meta["val_tokens"] > 100_000
     head = np.memmap(os.path.join(corpus, "train.bin"), dtype=np.uint16, mode="r")[:10_000]
     assert head.max() < 256 and "import" in bytes(head.astype(np.uint8)).decode("utf-8", "replace")
@@ -507,18 +508,18 @@ def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     train_single.main(flags(corpus, straight, max_steps=8))
     interrupted = tmp_path / "interrupted"
-    real_get_lr = gpt.get_lr
+    real_get_lr = training.get_lr
 
     def crash_at_step_5(step, args):
         if step == 5:
             raise Crash
         return real_get_lr(step, args)
 
-    monkeypatch.setattr(gpt, "get_lr", crash_at_step_5)
+    monkeypatch.setattr(training, "get_lr", crash_at_step_5)
     with pytest.raises(Crash):
         train_single.main(flags(corpus, interrupted, max_steps=8, ckpt_interval=3))
-    monkeypatch.setattr(gpt, "get_lr", real_get_lr)
-    assert gpt.latest_checkpoint(str(interrupted)).endswith("ckpt-0000003")
+    monkeypatch.setattr(training, "get_lr", real_get_lr)
+    assert training.latest_checkpoint(str(interrupted)).endswith("ckpt-0000003")
     train_single.main(flags(corpus, interrupted, max_steps=8, ckpt_interval=3, resume=True))
     run, reference = read_run(str(interrupted)), read_run(str(straight))
     assert run.losses == reference.losses and run.grad_norms == reference.grad_norms  # bit-identical, not merely close
@@ -543,26 +544,26 @@ def test_checkpoint_killed_mid_write_leaves_the_previous_one(corpus, tmp_path, m
     with pytest.raises(Crash):
         train_single.main(flags(corpus, tmp_path, max_steps=6, ckpt_interval=2))
     monkeypatch.setattr(torch, "save", real_save)
-    latest = gpt.latest_checkpoint(str(tmp_path))
+    latest = training.latest_checkpoint(str(tmp_path))
     assert latest.endswith("ckpt-0000002")
-    gpt.Checkpoint(latest)  # loads whole
+    training.Checkpoint(latest)  # loads whole
     with pytest.raises(SystemExit, match="pass --resume"):  # a new run never overwrites what is saved
         train_single.main(flags(corpus, tmp_path, max_steps=6, ckpt_interval=2))
     train_single.main(flags(corpus, tmp_path, max_steps=6, ckpt_interval=2, resume=True))
-    assert gpt.latest_checkpoint(str(tmp_path)).endswith("ckpt-0000006")
+    assert training.latest_checkpoint(str(tmp_path)).endswith("ckpt-0000006")
 
 
 def test_checkpoint_of_another_model_is_refused(corpus, tmp_path):
     train_single.main(flags(corpus, tmp_path, max_steps=2))
-    before = open(os.path.join(gpt.latest_checkpoint(str(tmp_path)), "meta.pt"), "rb").read()
+    before = open(os.path.join(training.latest_checkpoint(str(tmp_path)), "meta.pt"), "rb").read()
     with pytest.raises(ValueError, match="another model"):
         train_single.main(flags(corpus, tmp_path, max_steps=4, block_size=64, resume=True))
-    assert open(os.path.join(gpt.latest_checkpoint(str(tmp_path)), "meta.pt"), "rb").read() == before
+    assert open(os.path.join(training.latest_checkpoint(str(tmp_path)), "meta.pt"), "rb").read() == before
 
 
 def test_truncated_checkpoint_is_refused(corpus, tmp_path):
     train_single.main(flags(corpus, tmp_path, max_steps=2))
-    rank_file = os.path.join(gpt.latest_checkpoint(str(tmp_path)), "rank00000.pt")
+    rank_file = os.path.join(training.latest_checkpoint(str(tmp_path)), "rank00000.pt")
     with open(rank_file, "r+b") as f:
         f.truncate(os.path.getsize(rank_file) // 2)
     with pytest.raises(RuntimeError, match="unreadable"):
@@ -586,7 +587,7 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
 def _train_recording_rows(argv):
     """train_ddp.main on this rank; returns {step: [token rows this rank trained on]}."""
     rows = {}
-    real_get = gpt.BatchSampler.get
+    real_get = training.BatchSampler.get
 
     def get(sampler, step, micro_step):
         x, y = real_get(sampler, step, micro_step)
@@ -594,11 +595,11 @@ def _train_recording_rows(argv):
             rows.setdefault(step, []).extend(row.tobytes() for row in x.numpy())
         return x, y
 
-    gpt.BatchSampler.get = get
+    training.BatchSampler.get = get
     try:
         train_ddp.main(argv)
     finally:
-        gpt.BatchSampler.get = real_get  # a launched world runs in the test process itself
+        training.BatchSampler.get = real_get  # a launched world runs in the test process itself
     return rows
 
 
@@ -622,7 +623,7 @@ def test_ddp_matches_single_device(corpus, tmp_path_factory, world_size):
     and the ranks split every global batch between them without overlap."""
     run, rows = ddp_run(corpus, tmp_path_factory, world_size)
     assert_runs_match(run, single_run(corpus, tmp_path_factory))
-    single = gpt.BatchSampler(os.path.join(corpus, "train.bin"), block_size=32, global_batch=16, micro_batch=2,
+    single = training.BatchSampler(os.path.join(corpus, "train.bin"), block_size=32, global_batch=16, micro_batch=2,
                               dp_rank=0, dp_size=1, seed=1234, device=torch.device("cpu"))  # as flags() sets them
     for step in range(6):
         everyone = [row.numpy().tobytes() for micro_step in range(single.accumulation)
@@ -647,7 +648,7 @@ def test_ddp_resumes_at_another_world_size(corpus, tmp_path_factory, shared_tmp)
     argv = flags(corpus, shared_tmp, ckpt_interval=3)
     assert run_distributed(2, _train_until, train_ddp.main, 3, argv) == ["crashed"] * 2
     run_distributed(4, train_ddp.main, argv + ["--resume"])
-    assert gpt.latest_checkpoint(str(shared_tmp)).endswith("ckpt-0000006")
+    assert training.latest_checkpoint(str(shared_tmp)).endswith("ckpt-0000006")
     assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory))
 
 
@@ -656,7 +657,7 @@ def _train_recording_communication(argv):
     ("grad", name), all-reduces ("all_reduce", bucket index or None, async) and waits for them ("wait", bucket
     index), plus the buckets' names."""
     events, buckets = [], []
-    real_all_reduce, real_get, real_wrapper = dist.all_reduce, gpt.BatchSampler.get, train_ddp.DataParallel
+    real_all_reduce, real_get, real_wrapper = dist.all_reduce, training.BatchSampler.get, train_ddp.DataParallel
 
     class RecordingWork:
         def __init__(self, work, bucket):
@@ -684,11 +685,11 @@ def _train_recording_communication(argv):
             for name, param in module.named_parameters():  # after the wrapper's own hooks: they run first
                 param.register_post_accumulate_grad_hook(lambda _, name=name: events.append(("grad", name)))
 
-    dist.all_reduce, gpt.BatchSampler.get, train_ddp.DataParallel = all_reduce, get, RecordingDataParallel
+    dist.all_reduce, training.BatchSampler.get, train_ddp.DataParallel = all_reduce, get, RecordingDataParallel
     try:
         train_ddp.main(argv)
     finally:
-        dist.all_reduce, gpt.BatchSampler.get, train_ddp.DataParallel = real_all_reduce, real_get, real_wrapper
+        dist.all_reduce, training.BatchSampler.get, train_ddp.DataParallel = real_all_reduce, real_get, real_wrapper
     return events, [bucket.names for bucket in buckets]
 
 
@@ -928,8 +929,8 @@ def test_fsdp_deferred_init_holds_one_parameter_at_a_time(corpus):
 def _memory_after_a_step():
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     model, fsdp, _ = _build(config)
-    args = gpt.get_parser("").parse_args([])
-    optimizer = gpt.make_optimizer(*fsdp.parameter_groups(), args, torch.device("cpu"))
+    args = training.get_parser("").parse_args([])
+    optimizer = training.make_optimizer(fsdp.parameter_groups(), args, torch.device("cpu"))
     x = torch.randint(0, 256, (2, 32))
     fsdp(x, x).backward()
     fsdp.clip_grad_norm_(1.0)
@@ -986,7 +987,7 @@ def _prefetch_order():
     model, fsdp, _ = _build(config)
     events = []
     unit_of = {flat.shard.data_ptr(): index for index, unit in enumerate(fsdp.units) for flat in unit}
-    real_gather, real_reduce_scatter = train_fsdp.all_gather_single, fsdp.reduce_scatter
+    real_gather, real_reduce_scatter = training.all_gather_single, fsdp.reduce_scatter
 
     def gather(output, input, **kwargs):
         events.append(("gather", unit_of[input.data_ptr()]))
@@ -996,7 +997,7 @@ def _prefetch_order():
         events.append(("reduce_scatter", unit_of[flat.shard.data_ptr()]))
         return real_reduce_scatter(flat, grad)
 
-    train_fsdp.all_gather_single, fsdp.reduce_scatter = gather, reduce_scatter
+    training.all_gather_single, fsdp.reduce_scatter = gather, reduce_scatter
     for index, block in enumerate(model.blocks, start=1):  # unit 0 is the root
         block.register_forward_pre_hook(lambda *_, i=index: events.append(("start", i)), prepend=True)
         block.register_forward_hook(lambda *_, i=index: events.append(("end", i)), prepend=True)
@@ -1006,7 +1007,7 @@ def _prefetch_order():
         events.clear()
         fsdp(x, x).backward()
     finally:
-        train_fsdp.all_gather_single = real_gather  # a launched world runs the next tests in this process
+        training.all_gather_single = real_gather  # a launched world runs the next tests in this process
     return events, len(fsdp.units)
 
 
@@ -1100,7 +1101,7 @@ def _tensor_parallel_model(config, seed, sequence_parallel=False, loss_parallel=
     train_tp.parallelize(model, dist.group.WORLD, sequence_parallel, loss_parallel, dropout_seed)
     model.to_empty(device="cpu")
     model.lm_head.weight = model.wte.weight
-    train_tp.init_weights(train_tp.parameter_layouts(model), config, seed)
+    train_tp.init_weights(train_tp.parameter_parts(model), config, seed)
     return model
 
 
@@ -1116,12 +1117,12 @@ def _gradient_errors(sequence_parallel, loss_parallel):
     model = _tensor_parallel_model(config, 5, sequence_parallel, loss_parallel)
     loss = model(idx, targets)
     loss.backward()
-    layouts = train_tp.parameter_layouts(model)
+    parts = train_tp.parameter_parts(model)
     if sequence_parallel:
-        train_tp.allreduce_sequence_parallel_grads(layouts, dist.group.WORLD)
+        train_tp.allreduce_replicated_grads(parts, dist.group.WORLD)
     errors = {"loss": abs(loss.item() - reference(idx, targets).item()) / loss.item()}
-    for name, param, layout in layouts:
-        expected = full[name].grad[tuple(slice(*box) for box in layout.box)]
+    for name, param, part in ((part.name, part.tensor, part) for part in parts):
+        expected = full[name].grad[tuple(slice(*box) for box in part.box)]
         # attn.key.bias: zero gradient in exact arithmetic (see WEIGHT_TOLERANCE): measured at the query bias scale
         scale = full[name.replace("key.bias", "query.bias")].grad.abs().max()
         errors[name] = ((param.grad - expected).abs().max() / scale).item()
@@ -1190,8 +1191,8 @@ def _layers_alone(sequence_parallel):
     for layer, full in ((column, column_full), (row, row_full)):
         with torch.no_grad():
             for name, param in layer.named_parameters():
-                layout = layer.layouts.get(name)
-                param.copy_(getattr(full, name)[tuple(slice(*b) for b in layout.box)] if layout else getattr(full, name))
+                box = layer.boxes[name][1] if name in layer.boxes else None
+                param.copy_(getattr(full, name)[tuple(slice(*b) for b in box)] if box else getattr(full, name))
     shard = lambda t, dim: t.chunk(world, dim)[rank]
     local_x = (shard(x, 1) if sequence_parallel else x).detach().requires_grad_()
     local_hidden = column(train_tp.f(local_x, group, sequence_parallel))
@@ -1246,8 +1247,7 @@ def _replicated_after_training(argv):
         train_tp.main(argv)
     finally:
         train_tp.parallelize = parallelize  # a launched world runs the next tests in this process
-    return {name: param.detach().numpy() for name, param, layout in train_tp.parameter_layouts(models[0])
-            if not layout.sharded}
+    return {part.name: part.tensor.detach().numpy() for part in train_tp.parameter_parts(models[0]) if not part.sliced}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -1409,7 +1409,7 @@ def test_every_layout_resumes_every_other(corpus, tmp_path, tmp_path_factory, sa
 # `--max-restarts` restarts a killed worker from its checkpoint; mismatched flags or code and a stuck rank end
 # the job with a message instead of a hang; a broken checkpoint is refused on every rank.
 #
-# Faults are injected by a small wrapper script (written to the test's tmp_path) that patches gpt.get_lr,
+# Faults are injected by a small wrapper script (written to the test's tmp_path) that patches training.get_lr,
 # which every script calls once at the start of every optimizer step, and then runs the real script with runpy:
 # the script's own file is what runs and what its code fingerprint hashes.
 
@@ -1489,10 +1489,10 @@ def standalone(nproc, script, argv, *options):
 FAULT_WRAPPER = '''
 import os, runpy, signal, sys, time
 sys.path.insert(0, {repo!r})
-import gpt
+import training
 
 rank = int(os.environ["RANK"])
-real_get_lr = gpt.get_lr
+real_get_lr = training.get_lr
 
 
 def get_lr(step, args):
@@ -1503,7 +1503,7 @@ def get_lr(step, args):
     return real_get_lr(step, args)
 
 
-gpt.get_lr = get_lr
+training.get_lr = get_lr
 script = {script!r}
 if rank == {rank}:
     sys.argv += {extra_argv!r}
@@ -1610,7 +1610,7 @@ def test_killed_worker_ends_the_job_then_resume_finishes_it(corpus, tmp_path, tm
     assert seconds < COLLECTIVE_TIMEOUT_S, output[-5000:]
     root_cause = output.split("Root Cause")[-1]
     assert "rank      : 1 (local_rank: 1)" in root_cause and "SIGKILL" in root_cause, output[-5000:]
-    assert gpt.latest_checkpoint(str(out_dir)).endswith("ckpt-0000002")
+    assert training.latest_checkpoint(str(out_dir)).endswith("ckpt-0000002")
 
     run_distributed(2, train_ddp.main, argv + ["--resume"])
     assert [r["step"] for r in resumed_records(out_dir)] == [2, 3, 4, 5]
@@ -1694,7 +1694,7 @@ def _resume_refused(argv):
 ])
 def test_broken_checkpoint_is_refused_on_every_rank(corpus, tmp_path, damage, message):
     run_distributed(2, train_ddp.main, flags(corpus, tmp_path, max_steps=2))
-    checkpoint = gpt.latest_checkpoint(str(tmp_path))
+    checkpoint = training.latest_checkpoint(str(tmp_path))
     overrides = dict(max_steps=4, resume=True)
     if damage == "truncate":
         rank_file = os.path.join(checkpoint, "rank00000.pt")
@@ -1707,6 +1707,6 @@ def test_broken_checkpoint_is_refused_on_every_rank(corpus, tmp_path, damage, me
     errors = run_distributed(2, _resume_refused, flags(corpus, tmp_path, **overrides))
     for rank, error in enumerate(errors):
         assert error and message in error, f"rank {rank}: {error}"
-    assert gpt.latest_checkpoint(str(tmp_path)) == checkpoint
+    assert training.latest_checkpoint(str(tmp_path)) == checkpoint
     assert {name: open(os.path.join(checkpoint, name), "rb").read() for name in os.listdir(checkpoint)} == files
     assert open(tmp_path / "metrics.jsonl").read() == metrics  # not a single step was taken

@@ -11,20 +11,16 @@ Reads top to bottom: arguments -> process groups -> model -> strategy -> loop ->
 
 import functools
 import itertools
-import os
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel
 
 import gpt
-from prepare_data import get_tokenizer
+import training
 
 
 class Bucket:
@@ -131,45 +127,23 @@ class DataParallel(nn.Module):
             bucket.work = None
 
 
-def get_parser():
-    parser = gpt.get_parser(__doc__)
+@record  # under torchrun, the error file names the failing rank with its traceback
+def main(argv=None):
+    parser = training.get_parser(__doc__)
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="ours: DataParallel above; torch: torch.nn.parallel.DistributedDataParallel")
     parser.add_argument("--bucket_mb", type=float, default=25, help="largest gradient bucket, in MiB")
-    return parser
-
-
-@record  # under torchrun, the error file names the failing rank with its traceback
-def main(argv=None):
-    args = get_parser().parse_args(argv)
+    args = parser.parse_args(argv)
 
     # ---- process groups: every rank is one data-parallel rank holding the whole model
-    owns_group = not dist.is_initialized()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = gpt.get_device(args.device, local_rank)
-    dp_rank, dp_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank, world_size = training.launched_rank()
+    dp_rank, dp_size = rank, world_size
+    device = training.get_device(args.device, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
-    meta = gpt.ensure_data(args.data, is_writer=local_rank == 0)
-    micro_batch = args.micro_batch or args.global_batch // dp_size
-    train_data, val_data = (gpt.BatchSampler(os.path.join(args.data, f"{split}.bin"), args.block_size, args.global_batch,
-                                             micro_batch, dp_rank, dp_size, args.seed, device) for split in ("train", "val"))
-    config = gpt.make_config(args.model, meta["vocab_size"], args.block_size, args.dropout)
-    checkpoint_path = gpt.latest_checkpoint(args.out_dir)
-    if checkpoint_path and not args.resume:
-        raise SystemExit(f"{args.out_dir!r} already holds {checkpoint_path!r}: pass --resume to continue it, "
-                         "or choose another --out_dir")
-
-    if owns_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    fingerprints = [None] * world_size
-    dist.all_gather_object(fingerprints, gpt.fingerprint(args, __file__))
-    gpt.check_fingerprints(fingerprints)
-    if (rank, world_size) != (dp_rank, dp_size):  # the samplers above took their rows from the environment
-        raise RuntimeError(f"RANK, WORLD_SIZE = {dp_rank}, {dp_size} but the process group has {rank}, {world_size}")
-    master = rank == 0
-    prefix = f"[rank {rank}] " if args.log_all_ranks else ""
+    meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
+    checkpoint_path = training.checkpoint_to_resume(args)
+    rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
     # ---- model: built on meta, materialised on the device, initialised by parameter name
@@ -181,43 +155,26 @@ def main(argv=None):
 
     # ---- strategy: a whole replica on every rank, gradients averaged over the ranks during backward
     if args.impl == "torch":
-        ddp_model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                            bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+        import torch_reference
+        ddp_model = torch_reference.data_parallel(model, device, args.bucket_mb)
     else:
         ddp_model = DataParallel(model, args.bucket_mb)
-    slots = [gpt.whole_slot(name, param) for name, param in model.named_parameters()]
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = gpt.make_optimizer(decay, no_decay, args, device)
+    parts = [training.whole_part(name, param) for name, param in model.named_parameters()]
+    optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, device)
     forward = torch.compile(ddp_model) if args.compile else ddp_model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = 0
-    if args.resume and checkpoint_path:
-        checkpoint = gpt.Checkpoint(checkpoint_path)
-        gpt.load_checkpoint(checkpoint, slots, optimizer, config)
-        gpt.set_rng_state(checkpoint.rng_state(rank), device)
-        start_step = checkpoint.meta["step"]
-    logger = gpt.MetricsLogger(args, enabled=master)
-    flops_per_token = gpt.flops_per_token(config, model.num_params(with_position_embedding=False))
-    peak_flops = gpt.peak_flops(device)
-    if master or args.log_all_ranks:
-        print(f"{prefix}{args.model}: {model.num_params() / 1e6:.2f}M parameters | {world_size} ranks on {device} | "
-              f"global batch {args.global_batch} = micro batch {micro_batch} x {train_data.accumulation} accumulation "
-              f"x {dp_size} data-parallel | {'resuming at step ' + str(start_step) if start_step else 'from scratch'}")
+    start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
+    logger = training.Logger(args, config, model.num_params(with_position_embedding=False), device, rank, world_size)
+    logger.start(model.num_params(), train_data.micro_batch, train_data.accumulation, dp_size, start_step)
 
     # ---- loop
     for step in range(start_step, args.max_steps):
-        last_step = step + 1 == args.max_steps
         val_loss = None
-        if args.eval_interval and (step % args.eval_interval == 0 or last_step):
-            val_loss = gpt.estimate_loss(forward, val_data, args.eval_iters, autocast)
-            dist.all_reduce(val_loss, op=dist.ReduceOp.AVG)
-            val_loss = val_loss.item()
+        if args.eval_interval and (step % args.eval_interval == 0 or step + 1 == args.max_steps):
+            val_loss = training.estimate_loss(forward, val_data, args.eval_iters, autocast, dist.group.WORLD)
         t0 = time.perf_counter()
-        lr = gpt.get_lr(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = training.set_lr(optimizer, step, args)
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(train_data.accumulation):
             x, y = train_data.get(step, micro_step)
@@ -231,36 +188,16 @@ def main(argv=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients are views into the all-reduce buckets
 
-        if step % args.log_interval == 0 or last_step or val_loss is not None:
+        if logger.due(step, val_loss):
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # each rank summed only its own rows
-            loss_value = loss_sum.item()  # waits for the device: the step time below is real
-            step_s = time.perf_counter() - t0
-            tokens_per_s = args.global_batch * args.block_size / step_s
-            metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                      "tokens_per_s": tokens_per_s,
-                      "mfu": flops_per_token * tokens_per_s / (world_size * peak_flops) if peak_flops else None,
-                      "peak_mem_mb": gpt.peak_memory_mb(device), "step_ms": 1000 * step_s}
-            if val_loss is not None:
-                metrics["val_loss"] = val_loss
-            logger.log(metrics)
-            if master or args.log_all_ranks:
-                print(prefix + gpt.format_log(metrics) + (f" | val loss {val_loss:.4f}" if val_loss is not None else ""))
+            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every replica holds everything, so rank 0 alone writes the tensors
-        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or last_step:
-            tensors = gpt.checkpoint_tensors(slots if master else [], optimizer)
-            gpt.save_shard(args.out_dir, step + 1, rank, tensors, gpt.rng_state(device))
-            dist.barrier()
-            if master:
-                gpt.publish_checkpoint(args.out_dir, step + 1, world_size, {"config": asdict(config), "args": vars(args)})
-            dist.barrier()
+        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.max_steps:
+            tensors = training.checkpoint_tensors(parts if rank == 0 else [], optimizer)
+            training.save_checkpoint(args, step + 1, tensors, config, device, rank, world_size)
 
-    if args.sample_tokens and master:
-        tokenizer = get_tokenizer(meta["tokenizer"])
-        prompt = torch.tensor([tokenizer.encode("\n")], device=device)
-        with autocast:
-            out = gpt.generate(model, prompt, args.sample_tokens, config.block_size, seed=args.seed)
-        print("sample:\n" + tokenizer.decode(out[0].tolist()))
+    training.sample(model, meta, args, device, autocast, show=rank == 0)
     if owns_group:
         dist.destroy_process_group()
 

@@ -10,11 +10,8 @@ reduce-scattered back into the shards. Prefetch, mixed precision and deferred in
 Reads top to bottom: arguments -> process groups -> model -> strategy -> loop -> checkpoint.
 """
 
-import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
-from datetime import timedelta
 from functools import partial
 
 import torch
@@ -24,11 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils._pytree import tree_leaves
 
 import gpt
-from prepare_data import get_tokenizer
-
-# The same collectives under their torch >= 2.13 names, or the older ones (same signatures) on earlier versions.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+import training
 
 
 class FlatParameter:
@@ -65,7 +58,7 @@ class FlatParameter:
         if self.full is None and self.work is None:
             self.incoming = torch.empty(self.shard_size * self.world, dtype=self.dtype, device=self.shard.device)
             self.sent = self.shard.detach().to(self.dtype)
-            self.work = all_gather_single(self.incoming, self.sent, group=self.group, async_op=True)
+            self.work = training.all_gather_single(self.incoming, self.sent, group=self.group, async_op=True)
         if wait and self.work is not None:
             self.work.wait()
             self.full, self.incoming, self.sent, self.work = self.incoming, None, None, None
@@ -110,14 +103,14 @@ class FullyShardedDataParallel(nn.Module):
     after their holders). A parameter belongs to the innermost unit holding every module using it: a weight tied
     across units lives in the root, gathered from the start of forward to the end of backward. Units compute in
     `compute_dtype`; shards, AdamW and gradient reduction stay float32. initial_value(name, parameter): its full
-    value (default: the current one; required on meta). layout(name, shape): its (full shape, box) in checkpoints."""
+    value (default: the current one; required on meta). tp_parts: {name: training.Part} when the module is
+    tensor-parallel (train_2d.py), so that checkpoints place each shard inside the full tensor's slice."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
-                 reshard_after_forward=True, initial_value=None, layout=None):
+                 reshard_after_forward=True, initial_value=None, tp_parts=None):
         super().__init__()
         self.module, self.group, self.compute_dtype = module, process_group or dist.group.WORLD, compute_dtype
-        self.reshard_after_forward = reshard_after_forward
-        self.layout = layout or (lambda name, shape: (tuple(shape), tuple((0, n) for n in shape)))
+        self.reshard_after_forward, self.tp_parts = reshard_after_forward, tp_parts or {}
         unit_modules = [module] + list(getattr(module, "blocks", []) if units is None else units)
         owner = {sub: index for index, unit in enumerate(unit_modules) for sub in unit.modules()}  # innermost wins
         params = {}
@@ -215,7 +208,7 @@ class FullyShardedDataParallel(nn.Module):
         self.finish_reduce_scatter()
         grad = grad.float()
         piece = torch.empty(flat.shard_size, device=grad.device)
-        work = reduce_scatter_single(piece, grad, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        work = training.reduce_scatter_single(piece, grad, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
         self.in_flight = (flat, piece, grad, work)
 
     def finish_reduce_scatter(self):
@@ -244,48 +237,24 @@ class FullyShardedDataParallel(nn.Module):
         """(name, full float32 tensor) of every parameter, one flat buffer at a time; every rank must iterate."""
         for flat in self.flats:
             full = torch.empty(flat.shard_size * flat.world, device=flat.shard.device)
-            all_gather_single(full, flat.shard.detach(), group=self.group)
+            training.all_gather_single(full, flat.shard.detach(), group=self.group)
             for name, shape, piece in zip(flat.names, flat.shapes, full.split(flat.sizes + [flat.padding])):
                 yield name, piece.view(shape)
 
-    def slots(self):
-        """A gpt.Slot for each piece of an original parameter in this rank's shards: the checkpoint layout."""
-        return [gpt.Slot(flat.names[index], *self.layout(flat.names[index], flat.shapes[index]), (begin, end),
-                         flat.shard, start) for flat in self.flats for index, begin, end, start in flat.local_pieces()]
-
-
-def apply_fully_shard(model, config, args, device, compute_dtype):
-    """--impl torch: PyTorch's FSDP2 on each block and the root, the same mixed-precision policy and init."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import distribute_tensor
-
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for module in [*model.blocks, model]:
-        fully_shard(module, mp_policy=policy, reshard_after_forward=not args.no_reshard)
-    if not args.no_deferred_init:
-        model.to_empty(device=device)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                value = gpt.initial_value(name, param.shape, config, args.seed).to(device)
-                param.copy_(distribute_tensor(value, param.device_mesh, param.placements))
-    return model
-
-
-def full_tensors(model, optimizer, master):
-    """--impl torch's checkpoint: each parameter and AdamW moment gathered whole (a collective), written by rank 0."""
-    tensors = {}
-    for name, param in model.named_parameters():
-        state = optimizer.state.get(param, {})
-        for key, tensor in [(name, param)] + [(f"{m}/{name}", state[m]) for m in ("exp_avg", "exp_avg_sq") if m in state]:
-            full = tensor.full_tensor()
-            if master:
-                tensors[key] = [gpt.piece(full.shape, full)]
-    return tensors
+    def parts(self):
+        """A training.Part for each piece of an original parameter in this rank's shards: the checkpoint layout."""
+        parts = []
+        for flat in self.flats:
+            for index, begin, end, start in flat.local_pieces():
+                name = flat.names[index]
+                whole = self.tp_parts.get(name) or training.whole_part(name, flat.shard, flat.shapes[index])
+                parts.append(training.Part(name, whole.shape, whole.box, (begin, end), flat.shard, start))
+        return parts
 
 
 @record  # under torchrun, the error file names the failing rank with its traceback
 def main(argv=None):
-    parser = gpt.get_parser(__doc__)
+    parser = training.get_parser(__doc__)
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from its forward to its backward")
     parser.add_argument("--no_deferred_init", action="store_true",
@@ -293,34 +262,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     # ---- process groups: every rank is one data-parallel rank holding 1/world of the model
-    owns_group = not dist.is_initialized()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = gpt.get_device(args.device, local_rank)
-    dp_rank, dp_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank, world_size = training.launched_rank()
+    dp_rank, dp_size = rank, world_size
+    device = training.get_device(args.device, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
-    meta = gpt.ensure_data(args.data, is_writer=local_rank == 0)
-    micro_batch = args.micro_batch or args.global_batch // dp_size
-    train_data, val_data = (gpt.BatchSampler(os.path.join(args.data, f"{split}.bin"), args.block_size, args.global_batch,
-                                             micro_batch, dp_rank, dp_size, args.seed, device) for split in ("train", "val"))
-    config = gpt.make_config(args.model, meta["vocab_size"], args.block_size, args.dropout)
+    meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
     if args.resume and args.impl == "torch":
         raise SystemExit("--resume is implemented for --impl ours only (it resumes checkpoints of any layout)")
-    checkpoint_path = gpt.latest_checkpoint(args.out_dir)
-    if checkpoint_path and not args.resume:
-        raise SystemExit(f"{args.out_dir!r} already holds {checkpoint_path!r}: pass --resume to continue it, "
-                         "or choose another --out_dir")
-
-    if owns_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    fingerprints = [None] * world_size
-    dist.all_gather_object(fingerprints, gpt.fingerprint(args, __file__))
-    gpt.check_fingerprints(fingerprints)
-    if (rank, world_size) != (dp_rank, dp_size):
-        raise RuntimeError(f"RANK/WORLD_SIZE say {dp_rank}/{dp_size} but the process group says {rank}/{world_size}")
-    master = rank == 0
-    prefix = f"[rank {rank}] " if args.log_all_ranks else ""
+    checkpoint_path = training.checkpoint_to_resume(args)
+    rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
     # ---- model: built on meta, left there for the strategy to materialise shard by shard (--no_deferred_init: whole)
@@ -333,47 +284,30 @@ def main(argv=None):
 
     # ---- strategy: each unit's parameters, gradients and AdamW state sharded over the ranks; gathered to compute
     if args.impl == "torch":
-        model = apply_fully_shard(model, config, args, device, getattr(torch, args.dtype))
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        clip_grad_norm = lambda limit: torch.nn.utils.clip_grad_norm_(decay + no_decay, limit).full_tensor()  # noqa: E731
+        import torch_reference
+        model, groups, clip_grad_norm = torch_reference.fully_shard_model(model, config, args, device)
+        parts = None  # its checkpoints gather each tensor whole
     else:
         initial_value = lambda name, param: gpt.initial_value(name, param.shape, config, args.seed)  # noqa: E731
         model = FullyShardedDataParallel(model, device=device, compute_dtype=getattr(torch, args.dtype),
                                          reshard_after_forward=not args.no_reshard,
                                          initial_value=None if args.no_deferred_init else initial_value)
-        decay, no_decay = model.parameter_groups()
-        clip_grad_norm = model.clip_grad_norm_
-    optimizer = gpt.make_optimizer(decay, no_decay, args, device)
+        groups, clip_grad_norm, parts = model.parameter_groups(), model.clip_grad_norm_, model.parts()
+    optimizer = training.make_optimizer(groups, args, device)
     forward = torch.compile(model) if args.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = 0
-    if args.resume and checkpoint_path:
-        checkpoint = gpt.Checkpoint(checkpoint_path)
-        gpt.load_checkpoint(checkpoint, model.slots(), optimizer, config)
-        gpt.set_rng_state(checkpoint.rng_state(rank), device)
-        start_step = checkpoint.meta["step"]
-    logger = gpt.MetricsLogger(args, enabled=master)
-    flops_per_token = gpt.flops_per_token(config, num_params_without_position)
-    peak_flops = gpt.peak_flops(device)
-    if master or args.log_all_ranks:
-        print(f"{prefix}{args.model}: {num_params / 1e6:.2f}M parameters | {world_size} ranks on {device} | "
-              f"global batch {args.global_batch} = micro batch {micro_batch} x {train_data.accumulation} accumulation "
-              f"x {dp_size} data-parallel | {'resuming at step ' + str(start_step) if start_step else 'from scratch'}")
+    start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
+    logger = training.Logger(args, config, num_params_without_position, device, rank, world_size)
+    logger.start(num_params, train_data.micro_batch, train_data.accumulation, dp_size, start_step)
 
     # ---- loop
     for step in range(start_step, args.max_steps):
-        last_step = step + 1 == args.max_steps
         val_loss = None
-        if args.eval_interval and (step % args.eval_interval == 0 or last_step):
-            val_loss = gpt.estimate_loss(forward, val_data, args.eval_iters, autocast)
-            dist.all_reduce(val_loss, op=dist.ReduceOp.AVG)
-            val_loss = val_loss.item()
+        if args.eval_interval and (step % args.eval_interval == 0 or step + 1 == args.max_steps):
+            val_loss = training.estimate_loss(forward, val_data, args.eval_iters, autocast, dist.group.WORLD)
         t0 = time.perf_counter()
-        lr = gpt.get_lr(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = training.set_lr(optimizer, step, args)
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(train_data.accumulation):
             x, y = train_data.get(step, micro_step)
@@ -385,38 +319,17 @@ def main(argv=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        if step % args.log_interval == 0 or last_step or val_loss is not None:
+        if logger.due(step, val_loss):
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # each rank summed only its own rows
-            loss_value = loss_sum.item()  # waits for the device: the step time below is real
-            step_s = time.perf_counter() - t0
-            tokens_per_s = args.global_batch * args.block_size / step_s
-            metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                      "tokens_per_s": tokens_per_s,
-                      "mfu": flops_per_token * tokens_per_s / (world_size * peak_flops) if peak_flops else None,
-                      "peak_mem_mb": gpt.peak_memory_mb(device), "step_ms": 1000 * step_s}
-            if val_loss is not None:
-                metrics["val_loss"] = val_loss
-            logger.log(metrics)
-            if master or args.log_all_ranks:
-                print(prefix + gpt.format_log(metrics) + (f" | val loss {val_loss:.4f}" if val_loss is not None else ""))
+            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every rank writes the pieces its shards hold
-        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or last_step:
-            tensors = (full_tensors(model, optimizer, master) if args.impl == "torch"
-                       else gpt.checkpoint_tensors(model.slots(), optimizer))
-            gpt.save_shard(args.out_dir, step + 1, rank, tensors, gpt.rng_state(device))
-            dist.barrier()
-            if master:
-                gpt.publish_checkpoint(args.out_dir, step + 1, world_size, {"config": asdict(config), "args": vars(args)})
-            dist.barrier()
+        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.max_steps:
+            tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None
+                       else training.checkpoint_tensors(parts, optimizer))
+            training.save_checkpoint(args, step + 1, tensors, config, device, rank, world_size)
 
-    if args.sample_tokens:  # on every rank: each forward gathers the units from all of them
-        tokenizer = get_tokenizer(meta["tokenizer"])
-        prompt = torch.tensor([tokenizer.encode("\n")], device=device)
-        with autocast:
-            out = gpt.generate(model, prompt, args.sample_tokens, config.block_size, seed=args.seed)
-        if master:
-            print("sample:\n" + tokenizer.decode(out[0].tolist()))
+    training.sample(model, meta, args, device, autocast, show=rank == 0)  # every rank: each forward gathers from all
     if owns_group:
         dist.destroy_process_group()
 

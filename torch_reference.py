@@ -1,0 +1,137 @@
+"""
+PyTorch's own versions of every strategy, behind each script's `--impl torch`: the yardstick our hand-written
+code is tested and benchmarked against. DistributedDataParallel (train_ddp.py), FSDP2's fully_shard
+(train_fsdp.py), DTensor's parallelize_module with loss parallelism (train_tp.py), and both on a 2-D DeviceMesh
+(train_2d.py). Each function takes the gpt.GPT a script built on meta (DDP: materialised) and returns it ready to
+train with the same initial weights, so the scripts' loops run unchanged.
+"""
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               loss_parallel, parallelize_module)
+from torch.nn.parallel import DistributedDataParallel
+
+import gpt
+import train_tp
+import training
+
+
+def data_parallel(model, device, bucket_mb):
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                   bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+
+
+@torch.no_grad()
+def materialise(model, config, seed, device):
+    """to_empty, then every (distributed) parameter's slice of gpt.initial_value: the weights of train_single.py."""
+    model.to_empty(device=device)
+    model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
+    for name, param in model.named_parameters():
+        value = gpt.initial_value(name, param.shape, config, seed).to(device)
+        param.copy_(distribute_tensor(value, param.device_mesh, param.placements) if isinstance(param, DTensor)
+                    else value)
+
+
+def shard_units(model, mesh, args):
+    """FSDP2 on each block, then on the root: the units of our FullyShardedDataParallel."""
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
+    for module in [*model.blocks, model]:
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=not args.no_reshard)
+
+
+def fully_shard_model(model, config, args, device):
+    """train_fsdp.py --impl torch: (model, optimizer groups, clip function)."""
+    shard_units(model, None, args)
+    if not args.no_deferred_init:
+        materialise(model, config, args.seed, device)
+    return model, training.decay_groups(model.parameters()), partial(clip_grad_norm_, list(model.parameters()))
+
+
+def tensor_parallel(model, config, args, device):
+    """train_tp.py --impl torch: (model, optimizer groups, clip function)."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    parallelize_with_dtensor(model, mesh, args.sequence_parallel, not args.no_loss_parallel)
+    materialise(model, config, args.seed, device)
+    return model, training.decay_groups(model.parameters()), partial(clip_grad_norm_, list(model.parameters()))
+
+
+def fully_shard_tensor_parallel(model, config, args, device, tp, dp):
+    """train_2d.py --impl torch: DTensor tensor parallelism on the "tp" mesh dimension, then FSDP2 on "dp"."""
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_with_dtensor(model, mesh["tp"], args.sequence_parallel, not args.no_loss_parallel)
+    shard_units(model, mesh["dp"], args)
+    materialise(model, config, args.seed, device)
+    return model, training.decay_groups(model.parameters()), partial(clip_grad_norm_, list(model.parameters()))
+
+
+class DTensorLossParallel(torch.autograd.Function):
+    """loss_parallel() cross-entropy of vocabulary-sharded DTensor logits. Its backward must run under loss_parallel()
+    too, and the loop's loss.backward() does not: build the graph on a detached input, backward inside the context."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        with torch.enable_grad(), loss_parallel():
+            ctx.logits = logits.detach().requires_grad_()
+            ctx.loss = F.cross_entropy(ctx.logits, targets).to_local()
+        return ctx.loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        with loss_parallel():
+            ctx.loss.backward(grad)
+        return ctx.logits.grad, None
+
+
+def parallelize_with_dtensor(model, mesh, sequence_parallel, loss_parallel):
+    """The layout of train_tp.parallelize from DTensor's parallel styles, as torchtitan writes it."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate()),  # nn.Embedding: vocabulary rows; output summed
+            "lm_head": ColwiseParallel(input_layouts=residual, use_local_output=not loss_parallel,
+                                       output_layouts=Shard(-1) if loss_parallel else Replicate()),
+            "blocks.*.attn.query": ColwiseParallel(), "blocks.*.attn.key": ColwiseParallel(),
+            "blocks.*.attn.value": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(output_layouts=residual),
+            "blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel(output_layouts=residual)}
+    if sequence_parallel:  # wpe is added to the whole sequence, then the residual stream is cut into shards
+        gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({"drop": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                use_local_output=True), "ln_f": SequenceParallel(),
+                     "blocks.*.ln_1": SequenceParallel(), "blocks.*.ln_2": SequenceParallel(),
+                     "blocks.*.attn": gather_sequence, "blocks.*.mlp": gather_sequence})
+    parallelize_module(model, mesh, plan)
+    model.lm_head.weight = model.wte.weight  # each style distributed its own copy of the tied weight
+    if loss_parallel:
+        model.loss_fn = DTensorLossParallel.apply
+    whole = lambda logits: logits.full_tensor() if isinstance(logits, DTensor) else logits  # noqa: E731
+    return train_tp.add_sampling_hooks(model, mesh.size() if sequence_parallel else 1, whole)
+
+
+def clip_grad_norm_(parameters, max_norm):
+    """torch.nn.utils.clip_grad_norm_ refuses parameters on different meshes (DTensors beside plain tensors under
+    TP, 2-D and data-parallel-only meshes in 2-D): one total norm over the full tensors, then each mesh clipped."""
+    parameters = [param for param in parameters if param.grad is not None]
+    norms = [torch.linalg.vector_norm(param.grad) for param in parameters]
+    total_norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    for mesh in {getattr(param, "device_mesh", None) for param in parameters}:
+        same = [param for param in parameters if getattr(param, "device_mesh", None) == mesh]
+        torch.nn.utils.clip_grads_with_norm_(same, max_norm, total_norm)
+    return total_norm
+
+
+def full_tensors(model, optimizer, master):
+    """Checkpoint pieces of a model of DTensors (and plain tensors beside them): each parameter and AdamW moment
+    gathered whole (a collective every rank joins), written by rank 0."""
+    tensors = {}
+    for name, param in model.named_parameters():
+        state = optimizer.state.get(param, {})
+        for key, tensor in [(name, param)] + [(f"{m}/{name}", state[m]) for m in ("exp_avg", "exp_avg_sq") if m in state]:
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if master:
+                tensors[key] = [training.piece(full.shape, full)]
+    return tensors

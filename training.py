@@ -1,0 +1,638 @@
+"""
+What every training script needs that is not the model: flags, device and threads, the process group and the
+ranks' fingerprint check, the batch sampler over token files, the LR schedule and optimizer groups, the
+checkpoint format, metrics and logging, and the tokenizer that prints a sample. No strategy code lives here: a
+script copied into another project needs gpt.py and this file, nothing else.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import resource
+import shutil
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import gpt
+
+DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "default")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Flags, device, process group
+
+
+def get_parser(description):
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny", help=f"preset: {', '.join(gpt.PRESETS)}")
+    p.add_argument("--data", default=DEFAULT_DATA_DIR, help="folder with train.bin, val.bin, meta.json")
+    p.add_argument("--global_batch", type=int, default=16, help="sequences per optimizer step")
+    p.add_argument("--micro_batch", type=int, default=None,
+                   help="sequences per rank per micro-step (default: global batch / data-parallel size)")
+    p.add_argument("--block_size", type=int, default=128, help="context length")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--max_steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min_lr", type=float, default=1e-4)
+    p.add_argument("--warmup_steps", type=int, default=30)
+    p.add_argument("--weight_decay", type=float, default=0.1)
+    p.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm; 0 disables clipping")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="bfloat16: autocast, float32 master weights")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "flash"])
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--eval_interval", type=int, default=100)
+    p.add_argument("--eval_iters", type=int, default=4, help="global batches of validation data per evaluation")
+    p.add_argument("--log_interval", type=int, default=10)
+    p.add_argument("--out_dir", default="out")
+    p.add_argument("--ckpt_interval", type=int, default=100, help="steps between checkpoints (and one at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir, if any")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--sample_tokens", type=int, default=200, help="tokens generated at the end; 0 skips it")
+    p.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait before the run fails")
+    p.add_argument("--log_all_ranks", action="store_true", help="every rank prints its progress, not only rank 0")
+    p.add_argument("--tensorboard", action="store_true")
+    p.add_argument("--wandb", action="store_true")
+    return p
+
+
+def get_device(choice, local_rank=0):
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda but no CUDA device is visible; use --device cpu")
+        torch.cuda.set_device(local_rank)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return torch.device("cuda", local_rank)
+    # Ranks sharing a machine share its cores; oversubscribing them makes every rank several times slower.
+    if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins (torchrun sets 1 for several ranks)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return torch.device("cpu")
+
+
+# The same collectives under their torch >= 2.13 names, or the older ones (same signatures) on earlier versions.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def launched_rank():
+    """(RANK, LOCAL_RANK, WORLD_SIZE) as torchrun sets them; a plain `python` start is rank 0 of 1."""
+    return tuple(int(os.environ.get(key, default)) for key, default in
+                 (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+
+
+def init_distributed(args, script, device):
+    """Join the process group (unless the caller already did: a test, a notebook) and check that every rank runs
+    the same code and flags. Returns (rank, world size, whether this call created the group)."""
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    fingerprints = [None] * world_size
+    dist.all_gather_object(fingerprints, fingerprint(args, script))
+    check_fingerprints(fingerprints)
+    env_rank, _, env_world = launched_rank()
+    if (rank, world_size) != (env_rank, env_world):  # the samplers took their rows from the environment
+        raise RuntimeError(f"RANK, WORLD_SIZE = {env_rank}, {env_world} but the process group has {rank}, {world_size}")
+    return rank, world_size, owns_group
+
+
+def fingerprint(args, script):
+    """What must be equal on every rank: the arguments and the code of the script, this file and gpt.py. A rank
+    running stale code or other flags would otherwise desynchronise collectives and hang much later."""
+    code = hashlib.sha256()
+    for path in (script, __file__, gpt.__file__):
+        with open(path, "rb") as f:
+            code.update(f.read())
+    arguments = {k: v for k, v in sorted(vars(args).items()) if k != "log_all_ranks"}
+    return {"code": code.hexdigest()[:16], "args": json.dumps(arguments, sort_keys=True, default=str)}
+
+
+def check_fingerprints(fingerprints):
+    """fingerprints: every rank's fingerprint(), all-gathered. Raises on every rank alike, naming the ranks
+    that differ from rank 0 and, for arguments, the flags that differ."""
+    differ = [rank for rank, f in enumerate(fingerprints) if f["code"] != fingerprints[0]["code"]]
+    if differ:
+        raise RuntimeError(f"ranks {differ} run other code (script, training.py or gpt.py) than rank 0; launch every "
+                           "rank with the same files and flags")
+    differ = [rank for rank, f in enumerate(fingerprints) if f["args"] != fingerprints[0]["args"]]
+    if differ:
+        ours, theirs = json.loads(fingerprints[0]["args"]), json.loads(fingerprints[differ[0]]["args"])
+        flags = ", ".join(f"--{key} {ours.get(key)} vs {theirs.get(key)}" for key in sorted(ours.keys() | theirs.keys())
+                          if ours.get(key) != theirs.get(key))
+        raise RuntimeError(f"ranks {differ} run other arguments than rank 0 (rank 0 vs rank {differ[0]}: {flags}); "
+                           "launch every rank with the same files and flags")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Data: token files, the batch sampler, the tokenizer for samples
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, needs no files, never fails on any text."""
+    name, vocab_size, eot = "byte", 256, None
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class GPT2Tokenizer:
+    """GPT-2's BPE through tiktoken; vocabulary 50257, documents separated by <|endoftext|>."""
+    name, vocab_size = "gpt2", 50257
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self.encoding = tiktoken.get_encoding("gpt2")
+        except Exception as error:
+            raise SystemExit(f"could not load tiktoken's gpt2 BPE files ({type(error).__name__}): they are downloaded "
+                             "on first use. Use --tokenizer byte, or set TIKTOKEN_CACHE_DIR to a folder that holds "
+                             "them; offline, `python prepare_data.py` (the embedded default corpus) and "
+                             "`python prepare_data.py --input PATH --tokenizer byte` need no download")
+        self.eot = self.encoding.eot_token
+
+    def encode(self, text):
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.encoding.decode([i for i in ids if i < self.vocab_size])
+
+
+def get_tokenizer(name):
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    raise ValueError(f"unknown tokenizer {name!r}: use gpt2 or byte")
+
+
+def load_meta(data_dir):
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no prepared data in {data_dir!r} (meta.json missing): run "
+                                f"`python prepare_data.py --out_dir {data_dir}` or pass --data with a prepared folder")
+    with open(path) as f:
+        return json.load(f)
+
+
+def ensure_data(data_dir, is_writer, wait_s=600):
+    """Make sure data_dir holds prepared tokens. The default corpus is built on first use by one process per
+    machine (is_writer); the others wait for its meta.json, which is written last, so no collective is needed."""
+    if os.path.exists(os.path.join(data_dir, "meta.json")) or data_dir != DEFAULT_DATA_DIR:
+        return load_meta(data_dir)  # raises with a message naming the fix
+    if is_writer:
+        import prepare_data
+
+        prepare_data.prepare_default(data_dir)
+    deadline = time.time() + wait_s
+    while not os.path.exists(os.path.join(data_dir, "meta.json")):
+        if time.time() > deadline:
+            raise TimeoutError(f"waited {wait_s}s for another process to prepare {data_dir!r}")
+        time.sleep(0.5)
+    return load_meta(data_dir)
+
+
+class BatchSampler:
+    """Draws the batch of optimizer step `step` from (seed, step) alone, whatever the layout.
+
+    The global batch is `global_batch` random windows of the token file. Data-parallel rank r owns the
+    contiguous rows [r * accumulation * micro_batch, (r + 1) * accumulation * micro_batch) and takes
+    micro_batch of them per micro-step; tensor-parallel peers pass the same dp_rank and get the same rows.
+    """
+
+    def __init__(self, path, block_size, global_batch, micro_batch, dp_rank, dp_size, seed, device):
+        if global_batch % (micro_batch * dp_size):
+            raise ValueError(f"--global_batch {global_batch} is not a multiple of --micro_batch {micro_batch} x "
+                             f"data-parallel size {dp_size}: change one of them")
+        self.path, self.block_size, self.seed, self.device = path, block_size, seed, device
+        self.global_batch, self.micro_batch, self.dp_rank = global_batch, micro_batch, dp_rank
+        self.accumulation = global_batch // (micro_batch * dp_size)
+        self.num_tokens = len(np.memmap(path, dtype=np.uint16, mode="r"))
+        if self.num_tokens <= block_size + 1:
+            raise ValueError(f"{path} holds {self.num_tokens} tokens, fewer than --block_size {block_size} + 2")
+        self.split = 0 if os.path.basename(path).startswith("train") else 1
+
+    def rows(self, micro_step):
+        first = (self.dp_rank * self.accumulation + micro_step) * self.micro_batch
+        return range(first, first + self.micro_batch)
+
+    def offsets(self, step):
+        rng = np.random.default_rng([self.seed, self.split, step])
+        return rng.integers(0, self.num_tokens - self.block_size - 1, size=self.global_batch)
+
+    def get(self, step, micro_step):
+        # A fresh memmap per batch: a long-lived one keeps every page it touched resident.
+        data = np.memmap(self.path, dtype=np.uint16, mode="r")
+        starts = self.offsets(step)[list(self.rows(micro_step))]
+        windows = np.stack([data[s:s + self.block_size + 1] for s in starts]).astype(np.int64)
+        batch = torch.from_numpy(windows)
+        if self.device.type == "cuda":
+            batch = batch.pin_memory().to(self.device, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:]
+
+
+def load_data(args, dp_rank, dp_size, device, is_writer):
+    """Every check of the data and batch flags, before any collective: (meta, model config, train and val
+    samplers) for this data-parallel rank."""
+    meta = ensure_data(args.data, is_writer)
+    micro_batch = args.micro_batch or args.global_batch // dp_size
+    train_data, val_data = (BatchSampler(os.path.join(args.data, f"{split}.bin"), args.block_size, args.global_batch,
+                                         micro_batch, dp_rank, dp_size, args.seed, device) for split in ("train", "val"))
+    config = gpt.make_config(args.model, meta["vocab_size"], args.block_size, args.dropout)
+    return meta, config, train_data, val_data
+
+
+@torch.no_grad()
+def estimate_loss(model, sampler, iters, autocast, dp_group=None):
+    """Mean validation loss over `iters` global batches of `sampler`: this rank's rows, then averaged over
+    dp_group (None: this process holds every row)."""
+    model.eval()
+    total = torch.zeros((), device=sampler.device)
+    for step in range(iters):
+        for micro_step in range(sampler.accumulation):
+            x, y = sampler.get(step, micro_step)
+            with autocast:
+                total += model(x, y).float()
+    model.train()
+    total /= iters * sampler.accumulation
+    if dp_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.AVG, group=dp_group)
+    return total.item()
+
+
+def sample(model, meta, args, device, autocast, show):
+    """Print --sample_tokens generated after a newline. Every rank of a sharded model calls it (each forward
+    needs them all); the seeded sampler makes them draw the same tokens; `show` picks the one that prints."""
+    if not args.sample_tokens:
+        return
+    tokenizer = get_tokenizer(meta["tokenizer"])
+    prompt = torch.tensor([tokenizer.encode("\n")], device=device)
+    with autocast:
+        out = gpt.generate(model, prompt, args.sample_tokens, args.block_size, seed=args.seed)
+    if show:
+        print("sample:\n" + tokenizer.decode(out[0].tolist()))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Optimization: schedule and optimizer
+
+
+def get_lr(step, args):
+    """Linear warmup to --lr, then cosine decay to --min_lr at --max_steps."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
+
+
+def decay_groups(parameters):
+    """(with weight decay, without): matrices (2-D and up) decay; biases, norms' gains never do."""
+    parameters = list(parameters)
+    return [p for p in parameters if p.dim() >= 2], [p for p in parameters if p.dim() < 2]
+
+
+def make_optimizer(groups, args, device):
+    """AdamW over groups = (with weight decay, without), e.g. from decay_groups()."""
+    decay, no_decay = groups
+    groups = [{"params": list(decay), "weight_decay": args.weight_decay},
+              {"params": list(no_decay), "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+
+
+def set_lr(optimizer, step, args):
+    lr = get_lr(step, args)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Checkpoints
+#
+# One format for every layout. A checkpoint is a folder `<out_dir>/ckpt-<step>` with one file per rank and a
+# meta.pt; `<out_dir>/latest` names the newest complete one. Each rank file maps tensor names (the gpt.py
+# parameter name, or `exp_avg/<name>`, `exp_avg_sq/<name>` for AdamW's moments) to a list of pieces:
+#   {"shape": full shape, "box": ((start, stop) per dim), "flat": (start, stop), "data": 1-D tensor}
+# A piece is what a rank holds of a tensor (its Part, below), copied out. Loading assembles a full tensor
+# from every piece and lets the loading layout take its own part, so any layout resumes any other.
+
+
+class Part(NamedTuple):
+    """Which part of the full tensor `name` (of full `shape`) this rank holds, and where: elements [flat[0],
+    flat[1]) of the flattened full[box] sit in tensor.view(-1) from `start` on. A whole tensor has the full box and
+    flat range; a tensor-parallel slice narrows the box; an FSDP shard narrows the flat range; 2-D does both."""
+    name: str
+    shape: tuple
+    box: tuple
+    flat: tuple
+    tensor: torch.Tensor
+    start: int = 0
+
+    def local(self, tensor=None):
+        """This part's elements in `tensor` (default: the parameter; or its gradient, an AdamW moment)."""
+        tensor = self.tensor if tensor is None else tensor
+        return tensor.detach().view(-1)[self.start:self.start + self.flat[1] - self.flat[0]]
+
+    @property
+    def sliced(self):
+        """Split across tensor-parallel ranks, as opposed to replicated on each (whole, or an FSDP shard of it)."""
+        return any(box != (0, n) for box, n in zip(self.box, self.shape))
+
+
+def whole_part(name, tensor, shape=None, box=None):
+    """The Part of a tensor this rank holds entirely: a whole parameter, or a tensor-parallel slice full[box]."""
+    shape = tuple(tensor.shape if shape is None else shape)
+    box = tuple((0, n) for n in shape) if box is None else tuple(box)
+    return Part(name, shape, box, (0, tensor.numel()), tensor)
+
+
+def piece(shape, data, box=None, flat=None):
+    box = tuple((0, n) for n in shape) if box is None else tuple(box)
+    flat = (0, math.prod(b - a for a, b in box)) if flat is None else tuple(flat)
+    if data.numel() != flat[1] - flat[0]:
+        raise ValueError(f"piece of {data.numel()} elements for flat range {flat}")
+    # A copy, not a view: torch.save writes a view's whole storage, e.g. an entire FSDP flat buffer.
+    return {"shape": tuple(shape), "box": box, "flat": flat, "data": data.detach().reshape(-1).to("cpu", copy=True)}
+
+
+def checkpoint_tensors(parts, optimizer):
+    """The pieces a rank writes: its parameters' parts, and AdamW's moments over the same parts."""
+    tensors = {}
+    for part in parts:
+        tensors.setdefault(part.name, []).append(piece(part.shape, part.local(), part.box, part.flat))
+        state = optimizer.state.get(part.tensor, {})
+        for moment in ("exp_avg", "exp_avg_sq"):
+            if moment in state:
+                tensors.setdefault(f"{moment}/{part.name}", []).append(
+                    piece(part.shape, part.local(state[moment]), part.box, part.flat))
+    return tensors
+
+
+def save_shard(out_dir, step, rank, tensors, rng_state):
+    """Every rank writes its own pieces into the unpublished folder of this step."""
+    folder = os.path.join(out_dir, f"ckpt-{step:07d}.tmp")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank{rank:05d}.pt")
+    torch.save({"tensors": tensors, "rng": rng_state}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def publish_checkpoint(out_dir, step, world_size, meta):
+    """Rank 0, after every rank's save_shard has returned (a barrier in distributed scripts): write meta,
+    rename the folder into place, then repoint `latest`. A crash at any moment leaves `latest` naming a
+    complete checkpoint, the previous one until the final os.replace."""
+    tmp = os.path.join(out_dir, f"ckpt-{step:07d}.tmp")
+    final = os.path.join(out_dir, f"ckpt-{step:07d}")
+    meta = dict(meta, step=step, files=[f"rank{r:05d}.pt" for r in range(world_size)])
+    torch.save(meta, os.path.join(tmp, "meta.pt"))
+    previous = latest_checkpoint(out_dir)
+    if os.path.exists(final) and final != previous:
+        shutil.rmtree(final)  # left by a run that crashed between this rename and the next line's
+    os.rename(tmp, final)
+    with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
+        f.write(os.path.basename(final))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+    if previous and previous != final:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def save_checkpoint(args, step, tensors, config, device, rank=0, world_size=1):
+    """Every rank writes its pieces; once all have (a barrier), rank 0 publishes the checkpoint."""
+    save_shard(args.out_dir, step, rank, tensors, rng_state(device))
+    if world_size > 1:
+        dist.barrier()
+    if rank == 0:
+        publish_checkpoint(args.out_dir, step, world_size, {"config": asdict(config), "args": vars(args)})
+    if world_size > 1:
+        dist.barrier()  # nobody goes on (or exits) while `latest` may still name the previous checkpoint
+
+
+def latest_checkpoint(out_dir):
+    pointer = os.path.join(out_dir, "latest")
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        return os.path.join(out_dir, f.read().strip())
+
+
+def checkpoint_to_resume(args):
+    """The checkpoint --resume continues, or None; refuses to train over a run it was not told to continue."""
+    path = latest_checkpoint(args.out_dir)
+    if path and not args.resume:
+        raise SystemExit(f"{args.out_dir!r} already holds {path!r}: pass --resume to continue it, "
+                         "or choose another --out_dir")
+    return path if args.resume else None
+
+
+class Checkpoint:
+    """A checkpoint folder opened for reading. Files are memory-mapped: a full tensor is assembled only
+    when asked for, one at a time, so loading never holds the whole model at once."""
+
+    def __init__(self, path):
+        try:
+            self.meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
+            self.shards = [torch.load(os.path.join(path, name), map_location="cpu", weights_only=True, mmap=True)
+                           for name in self.meta["files"]]
+        except Exception as error:
+            raise RuntimeError(f"checkpoint {path!r} is unreadable ({type(error).__name__}: {error}); "
+                               "delete it or point `latest` at an older one") from error
+        self.path = path
+        self.pieces = {}
+        for shard in self.shards:
+            for name, pieces in shard["tensors"].items():
+                self.pieces.setdefault(name, []).extend(pieces)
+
+    def check(self, config, shapes):
+        """Refuse, before anything is loaded, a checkpoint of another model or one with missing pieces."""
+        if self.meta["config"] != asdict(config):
+            raise ValueError(f"checkpoint {self.path!r} is of another model: {self.meta['config']} "
+                             f"vs this run's {asdict(config)}; use a new --out_dir, or the --model, --block_size "
+                             "and --dropout it was saved with")
+        for name, shape in shapes.items():
+            pieces = self.pieces.get(name)
+            if not pieces or tuple(pieces[0]["shape"]) != tuple(shape):
+                found = tuple(pieces[0]["shape"]) if pieces else None
+                raise ValueError(f"checkpoint {self.path!r}: tensor {name} has shape {found}, expected {tuple(shape)}")
+            covered = sum(p["flat"][1] - p["flat"][0] for p in pieces)
+            if covered != math.prod(shape):
+                raise ValueError(f"checkpoint {self.path!r}: tensor {name} covers {covered} of "
+                                 f"{math.prod(shape)} elements (a rank file is missing or truncated)")
+
+    def full(self, name):
+        pieces = self.pieces[name]
+        out = torch.empty(pieces[0]["shape"], dtype=pieces[0]["data"].dtype)
+        for p in pieces:
+            region = out[tuple(slice(a, b) for a, b in p["box"])]
+            flat = region.flatten()  # a copy when the box is not contiguous: written back below
+            flat[p["flat"][0]:p["flat"][1]] = p["data"]
+            region.copy_(flat.view(region.shape))
+        return out
+
+    def rng_state(self, rank):
+        return self.shards[rank]["rng"] if rank < len(self.shards) else None
+
+
+@torch.no_grad()
+def load_checkpoint(checkpoint, parts, optimizer, config):
+    """Fill this rank's parts (parameters and AdamW moments) from a checkpoint of any layout. Everything is
+    checked before the first tensor is touched, so a refused checkpoint leaves the model as it was."""
+    shapes = {part.name: part.shape for part in parts}
+    with_moments = f"exp_avg/{parts[0].name}" in checkpoint.pieces
+    if with_moments:
+        shapes.update({f"{m}/{name}": shape for name, shape in list(shapes.items()) for m in ("exp_avg", "exp_avg_sq")})
+    checkpoint.check(config, shapes)
+
+    def region(name, part):
+        return checkpoint.full(name)[tuple(slice(a, b) for a, b in part.box)].flatten()[part.flat[0]:part.flat[1]]
+
+    moments = {}
+    for part in parts:
+        part.local().copy_(region(part.name, part))
+        if with_moments:
+            if part.tensor not in moments:
+                moments[part.tensor] = (torch.zeros_like(part.tensor), torch.zeros_like(part.tensor))
+            for buffer, moment in zip(moments[part.tensor], ("exp_avg", "exp_avg_sq")):
+                part.local(buffer).copy_(region(f"{moment}/{part.name}", part))
+    if moments:
+        # Through load_state_dict, so AdamW puts its step counter where its implementation (fused, foreach)
+        # wants it; every parameter has taken one update per optimizer step.
+        state_dict = optimizer.state_dict()
+        index = {p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+        for param, (exp_avg, exp_avg_sq) in moments.items():
+            state_dict["state"][index[param]] = {"step": torch.tensor(float(checkpoint.meta["step"])),
+                                                 "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        optimizer.load_state_dict(state_dict)
+
+
+def resume(path, parts, optimizer, config, rank, device):
+    """Load checkpoint `path` (None: start fresh) into this rank's parts; returns the step to continue from."""
+    if path is None:
+        return 0
+    checkpoint = Checkpoint(path)
+    load_checkpoint(checkpoint, parts, optimizer, config)
+    set_rng_state(checkpoint.rng_state(rank), device)
+    return checkpoint.meta["step"]
+
+
+def rng_state(device):
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    if state is None:
+        return
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Metrics and logging
+
+# Peak dense bf16 tensor-core FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name().
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+
+
+def peak_flops(device):
+    """Peak bf16 FLOP/s of one device, or None where we do not know it (CPU, unlisted GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # peak RSS of this process (Linux: KiB)
+
+
+def format_log(record):
+    mfu = "n/a" if record.get("mfu") is None else f"{100 * record['mfu']:.1f}%"
+    line = (f"step {record['step']:5d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | mfu {mfu} | "
+            f"mem {record['peak_mem_mb']:,.0f} MB | {record['step_ms']:.0f} ms")
+    return line + (f" | val loss {record['val_loss']:.4f}" if "val_loss" in record else "")
+
+
+class Logger:
+    """Progress of a run: the console (rank 0, or every rank with --log_all_ranks) and, from rank 0,
+    <out_dir>/metrics.jsonl with TensorBoard and Weights & Biases when asked for (optional packages)."""
+
+    def __init__(self, args, config, num_params, device, rank=0, world_size=1):
+        self.args, self.device, self.world_size = args, device, world_size
+        self.writes, self.prints = rank == 0, rank == 0 or args.log_all_ranks
+        self.prefix = f"[rank {rank}] " if args.log_all_ranks else ""
+        self.flops_per_token, self.peak_flops = gpt.flops_per_token(config, num_params), peak_flops(device)
+        self.tensorboard = self.wandb = None
+        if not self.writes:
+            return
+        os.makedirs(args.out_dir, exist_ok=True)
+        self.path = os.path.join(args.out_dir, "metrics.jsonl")
+        if args.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from error
+            self.tensorboard = SummaryWriter(args.out_dir)
+        if args.wandb:
+            try:
+                import wandb
+            except ImportError as error:
+                raise RuntimeError("--wandb needs the wandb package: pip install wandb") from error
+            self.wandb = wandb.init(project="gpt-parallel", config=vars(args), dir=args.out_dir)
+
+    def print(self, text):
+        if self.prints:
+            print(self.prefix + text)
+
+    def start(self, num_params, micro_batch, accumulation, dp_size, start_step, layout=""):
+        self.print(f"{self.args.model}: {num_params / 1e6:.2f}M parameters | {self.world_size} rank"
+                   f"{'s' * (self.world_size > 1)} on {self.device} | {layout}global batch {self.args.global_batch} = "
+                   f"micro batch {micro_batch} x {accumulation} accumulation x {dp_size} data-parallel | "
+                   f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}")
+
+    def due(self, step, val_loss):
+        return step % self.args.log_interval == 0 or step + 1 == self.args.max_steps or val_loss is not None
+
+    def log_step(self, step, loss, lr, grad_norm, t0, val_loss=None):
+        """loss: the global batch's mean loss (a 0-d tensor); t0: perf_counter() when the step began."""
+        loss = loss.item()  # waits for the device: the step time below is real
+        step_s = time.perf_counter() - t0
+        tokens_per_s = self.args.global_batch * self.args.block_size / step_s
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
+                  "mfu": (self.flops_per_token * tokens_per_s / (self.world_size * self.peak_flops)
+                          if self.peak_flops else None),
+                  "peak_mem_mb": peak_memory_mb(self.device), "step_ms": 1000 * step_s}
+        if val_loss is not None:
+            record["val_loss"] = val_loss
+        self.print(format_log(record))
+        if not self.writes:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if self.tensorboard and key != "step" and value is not None:
+                self.tensorboard.add_scalar(key, value, record["step"])
+        if self.wandb:
+            self.wandb.log(record, step=record["step"])
