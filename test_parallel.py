@@ -892,6 +892,17 @@ def test_fsdp_ours_matches_fully_shard(corpus, shared_tmp):
     assert_runs_match(runs["ours"], runs["torch"])
 
 
+@torch.no_grad()
+def named_full_parameters(fsdp):
+    """(name, full float32 tensor) of every parameter of a FullyShardedDataParallel, gathered one flat buffer at a
+    time; every rank must iterate."""
+    for flat in fsdp.flats:
+        full = torch.empty(flat.shard_size * flat.world, device=flat.shard.device)
+        training.all_gather_single(full, flat.shard.detach(), group=fsdp.group)
+        for name, shape, piece in zip(flat.names, flat.shapes, full.split(flat.sizes + [flat.padding])):
+            yield name, piece.view(shape)
+
+
 def _build(config, seed=5):
     with torch.device("meta"):
         model = gpt.GPT(config)
@@ -904,7 +915,7 @@ def _build(config, seed=5):
 def _deferred_init():
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     model, fsdp, largest = _build(config)
-    full = {name: tensor.numpy() for name, tensor in fsdp.named_full_parameters()}
+    full = {name: tensor.numpy() for name, tensor in named_full_parameters(fsdp)}
     return largest, max(flat.shard_size for flat in fsdp.flats), [sum(flat.sizes) for flat in fsdp.flats], full
 
 
@@ -969,7 +980,7 @@ def _any_module():
             torch.nn.functional.mse_loss(module(inputs), targets).backward()
             optimizer.step()
             optimizer.zero_grad()
-    full = {name: tensor.numpy() for name, tensor in fsdp.named_full_parameters()}
+    full = {name: tensor.numpy() for name, tensor in named_full_parameters(fsdp)}
     return full, {name: param.detach().numpy() for name, param in reference.named_parameters()}
 
 
@@ -1101,7 +1112,9 @@ def _tensor_parallel_model(config, seed, sequence_parallel=False, loss_parallel=
     train_tp.parallelize(model, dist.group.WORLD, sequence_parallel, loss_parallel, dropout_seed)
     model.to_empty(device="cpu")
     model.lm_head.weight = model.wte.weight
-    train_tp.init_weights(train_tp.parameter_parts(model), config, seed)
+    with torch.no_grad():
+        for part in train_tp.parameter_parts(model):
+            part.tensor.copy_(part.initial_value(config, seed))
     return model
 
 

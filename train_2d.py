@@ -62,9 +62,7 @@ def main(argv=None):
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
-    train_tp.check_layout(config, tp, args.sequence_parallel)
-    if args.resume and args.impl == "torch":
-        raise SystemExit("--resume is implemented for --impl ours only (it resumes checkpoints of any layout)")
+    training.check_tensor_parallel(config, tp, args.sequence_parallel)
     checkpoint_path = training.checkpoint_to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     tp_group, dp_group = new_groups(tp, dp)
@@ -88,8 +86,7 @@ def main(argv=None):
         model = train_fsdp.FullyShardedDataParallel(
             model, process_group=dp_group, device=device, compute_dtype=getattr(torch, args.dtype),
             reshard_after_forward=not args.no_reshard, tp_parts=tp_parts,
-            initial_value=lambda name, param: gpt.initial_value(name, tp_parts[name].shape, config, args.seed)[
-                tuple(slice(*b) for b in tp_parts[name].box)])
+            initial_value=lambda name, param: tp_parts[name].initial_value(config, args.seed))
         groups, parts = model.parameter_groups(), model.parts()
         clip_grad_norm = lambda limit: train_tp.clip_grad_norm_(parts, limit, tp_group)  # noqa: E731
     optimizer = training.make_optimizer(groups, args, device)
@@ -104,9 +101,7 @@ def main(argv=None):
 
     # ---- loop
     for step in range(start_step, args.max_steps):
-        val_loss = None
-        if args.eval_interval and (step % args.eval_interval == 0 or step + 1 == args.max_steps):
-            val_loss = training.estimate_loss(forward, val_data, args.eval_iters, autocast, dp_group)
+        val_loss = training.evaluate(step, args, forward, val_data, autocast, dp_group)
         t0 = time.perf_counter()
         lr = training.set_lr(optimizer, step, args)
         loss_sum = torch.zeros((), device=device)

@@ -170,9 +170,7 @@ def main(argv=None):
 
     # ---- loop
     for step in range(start_step, args.max_steps):
-        val_loss = None
-        if args.eval_interval and (step % args.eval_interval == 0 or step + 1 == args.max_steps):
-            val_loss = training.estimate_loss(forward, val_data, args.eval_iters, autocast, dist.group.WORLD)
+        val_loss = training.evaluate(step, args, forward, val_data, autocast, dist.group.WORLD)
         t0 = time.perf_counter()
         lr = training.set_lr(optimizer, step, args)
         loss_sum = torch.zeros((), device=device)

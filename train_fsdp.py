@@ -224,22 +224,9 @@ class FullyShardedDataParallel(nn.Module):
         return [f.shard for f in trained if f.decay], [f.shard for f in trained if not f.decay]
 
     def clip_grad_norm_(self, max_norm):
-        """torch.nn.utils.clip_grad_norm_ of the whole model with one all-reduce (padding's gradient is zero)."""
+        """The whole model's gradient norm: the shards are disjoint parts of it (padding's gradient is zero)."""
         grads = [shard.grad for shard in self.shards if shard.grad is not None]
-        total = sum((grad.pow(2).sum() for grad in grads), torch.zeros((), device=self.shards[0].device))
-        dist.all_reduce(total, group=self.group)
-        norm = total.sqrt()
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        return norm
-
-    @torch.no_grad()
-    def named_full_parameters(self):
-        """(name, full float32 tensor) of every parameter, one flat buffer at a time; every rank must iterate."""
-        for flat in self.flats:
-            full = torch.empty(flat.shard_size * flat.world, device=flat.shard.device)
-            training.all_gather_single(full, flat.shard.detach(), group=self.group)
-            for name, shape, piece in zip(flat.names, flat.shapes, full.split(flat.sizes + [flat.padding])):
-                yield name, piece.view(shape)
+        return training.clip_grad_norm_(grads, grads, max_norm, self.group)
 
     def parts(self):
         """A training.Part for each piece of an original parameter in this rank's shards: the checkpoint layout."""
@@ -268,8 +255,6 @@ def main(argv=None):
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
-    if args.resume and args.impl == "torch":
-        raise SystemExit("--resume is implemented for --impl ours only (it resumes checkpoints of any layout)")
     checkpoint_path = training.checkpoint_to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
@@ -303,9 +288,7 @@ def main(argv=None):
 
     # ---- loop
     for step in range(start_step, args.max_steps):
-        val_loss = None
-        if args.eval_interval and (step % args.eval_interval == 0 or step + 1 == args.max_steps):
-            val_loss = training.estimate_loss(forward, val_data, args.eval_iters, autocast, dist.group.WORLD)
+        val_loss = training.evaluate(step, args, forward, val_data, autocast, dist.group.WORLD)
         t0 = time.perf_counter()
         lr = training.set_lr(optimizer, step, args)
         loss_sum = torch.zeros((), device=device)

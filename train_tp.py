@@ -252,13 +252,6 @@ def parameter_parts(model):
     return parts
 
 
-@torch.no_grad()
-def init_weights(parts, config, seed):
-    """Each local parameter is its slice of gpt.initial_value, so the ranks together hold train_single's weights."""
-    for part in parts:
-        part.tensor.copy_(gpt.initial_value(part.name, part.shape, config, seed)[tuple(slice(*b) for b in part.box)])
-
-
 def allreduce_replicated_grads(parts, group):
     """Under sequence parallelism every replicated parameter (layer norms, wpe, row-parallel biases) saw only this
     rank's sequence shard: sum their gradients over the tensor-parallel group, in one flat all-reduce. The parts
@@ -271,29 +264,12 @@ def allreduce_replicated_grads(parts, group):
 
 
 def clip_grad_norm_(parts, max_norm, tp_group):
-    """torch.nn.utils.clip_grad_norm_ of the full model in one all-reduce over every rank, each holding a disjoint
-    share: TP slices count on their own rank, replicated parameters on TP rank 0 only (in train_2d.py each of those
-    is further an FSDP shard). The same clipping coefficient as PyTorch's."""
+    """The gradient norm of the full model, every element counted once: TP slices on their own rank, replicated
+    parameters on TP rank 0 only (in train_2d.py each part is further an FSDP shard, disjoint across DP ranks)."""
     first = dist.get_rank(tp_group) == 0
-    total = torch.zeros((), device=parts[0].tensor.device)
-    for part in parts:
-        if part.sliced or first:
-            total += part.local(part.tensor.grad).float().pow(2).sum()
-    dist.all_reduce(total)
-    norm = total.sqrt()
+    counted = [part.local(part.tensor.grad) for part in parts if part.sliced or first]
     grads = list({id(part.tensor): part.tensor.grad for part in parts}.values())  # an FSDP shard holds many parts
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm
-
-
-def check_layout(config, tp, sequence_parallel):
-    """Every rank runs this before any collective, so a bad layout fails everywhere instead of hanging."""
-    sizes = [("n_head", config.n_head), ("the padded vocabulary", config.padded_vocab_size),
-             ("the MLP width", 4 * config.n_embd)]
-    for what, n in sizes + [("--block_size", config.block_size)] * sequence_parallel:
-        if n % tp:
-            fix = "run without --sequence_parallel" if what == "--block_size" else "another --model"
-            raise ValueError(f"{what} ({n}) is not divisible by --tp {tp}: choose a --tp that divides it or {fix}")
+    return training.clip_grad_norm_(counted, grads, max_norm)
 
 
 @record  # under torchrun, the error file names the failing rank with its traceback
@@ -315,9 +291,7 @@ def main(argv=None):
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
-    check_layout(config, tp, args.sequence_parallel)
-    if args.resume and args.impl == "torch":
-        raise SystemExit("--resume is implemented for --impl ours only (it resumes checkpoints of any layout)")
+    training.check_tensor_parallel(config, tp, args.sequence_parallel)
     checkpoint_path = training.checkpoint_to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     torch.manual_seed(args.seed + dp_rank)  # dropout outside the tensor-parallel region: the same on every tp rank
@@ -336,7 +310,9 @@ def main(argv=None):
         model.to_empty(device=device)
         model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
         parts = parameter_parts(model)
-        init_weights(parts, config, args.seed)
+        with torch.no_grad():  # each slice of gpt.initial_value: together the ranks hold train_single's weights
+            for part in parts:
+                part.tensor.copy_(part.initial_value(config, args.seed))
         groups = training.decay_groups(model.parameters())
         clip_grad_norm = lambda limit: clip_grad_norm_(parts, limit, dist.group.WORLD)  # noqa: E731
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
@@ -354,9 +330,7 @@ def main(argv=None):
 
     # ---- loop
     for step in range(start_step, args.max_steps):
-        val_loss = None
-        if args.eval_interval and (step % args.eval_interval == 0 or step + 1 == args.max_steps):
-            val_loss = training.estimate_loss(forward, val_data, args.eval_iters, autocast)
+        val_loss = training.evaluate(step, args, forward, val_data, autocast)
         t0 = time.perf_counter()
         lr = training.set_lr(optimizer, step, args)
         loss_sum = torch.zeros((), device=device)

@@ -86,6 +86,16 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def check_tensor_parallel(config, tp, sequence_parallel):
+    """Every rank runs this before any collective, so a bad layout fails everywhere instead of hanging."""
+    sizes = [("n_head", config.n_head), ("the padded vocabulary", config.padded_vocab_size),
+             ("the MLP width", 4 * config.n_embd)]
+    for what, n in sizes + [("--block_size", config.block_size)] * sequence_parallel:
+        if n % tp:
+            fix = "run without --sequence_parallel" if what == "--block_size" else "another --model"
+            raise ValueError(f"{what} ({n}) is not divisible by --tp {tp}: choose a --tp that divides it or {fix}")
+
+
 def launched_rank():
     """(RANK, LOCAL_RANK, WORLD_SIZE) as torchrun sets them; a plain `python` start is rank 0 of 1."""
     return tuple(int(os.environ.get(key, default)) for key, default in
@@ -257,6 +267,13 @@ def load_data(args, dp_rank, dp_size, device, is_writer):
     return meta, config, train_data, val_data
 
 
+def evaluate(step, args, model, sampler, autocast, dp_group=None):
+    """The validation loss every --eval_interval steps and at the last step; None at the other steps."""
+    if args.eval_interval and (step % args.eval_interval == 0 or step + 1 == args.max_steps):
+        return estimate_loss(model, sampler, args.eval_iters, autocast, dp_group)
+    return None
+
+
 @torch.no_grad()
 def estimate_loss(model, sampler, iters, autocast, dp_group=None):
     """Mean validation loss over `iters` global batches of `sampler`: this rank's rows, then averaged over
@@ -314,6 +331,19 @@ def make_optimizer(groups, args, device):
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
 
 
+def clip_grad_norm_(counted, grads, max_norm, group=None):
+    """torch.nn.utils.clip_grad_norm_ of a model spread over the ranks of `group`, in one all-reduce of one number:
+    `counted` is this rank's share of the gradient (each element of the model in exactly one rank's share), `grads`
+    every gradient this rank holds, scaled in place by PyTorch's clipping coefficient."""
+    total = torch.zeros((), device=grads[0].device)
+    for grad in counted:
+        total += grad.float().pow(2).sum()
+    dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
 def set_lr(optimizer, step, args):
     lr = get_lr(step, args)
     for group in optimizer.param_groups:
@@ -347,6 +377,10 @@ class Part(NamedTuple):
         """This part's elements in `tensor` (default: the parameter; or its gradient, an AdamW moment)."""
         tensor = self.tensor if tensor is None else tensor
         return tensor.detach().view(-1)[self.start:self.start + self.flat[1] - self.flat[0]]
+
+    def initial_value(self, config, seed):
+        """This part's box of the parameter's initial value (for an FSDP shard, of its whole tensor-parallel slice)."""
+        return gpt.initial_value(self.name, self.shape, config, seed)[tuple(slice(*box) for box in self.box)]
 
     @property
     def sliced(self):
@@ -434,6 +468,8 @@ def latest_checkpoint(out_dir):
 
 def checkpoint_to_resume(args):
     """The checkpoint --resume continues, or None; refuses to train over a run it was not told to continue."""
+    if args.resume and getattr(args, "impl", "ours") == "torch":
+        raise SystemExit("--resume is implemented for --impl ours only (it resumes checkpoints of any layout)")
     path = latest_checkpoint(args.out_dir)
     if path and not args.resume:
         raise SystemExit(f"{args.out_dir!r} already holds {path!r}: pass --resume to continue it, "
