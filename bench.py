@@ -137,7 +137,8 @@ def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, t
     print(f"{name} {impl or ''} on {ranks} rank(s), global batch {global_batch}", flush=True)
     result = subprocess.run(command, env=env, cwd=HERE, capture_output=True, text=True)
     if result.returncode:
-        stderr = [line for line in result.stderr.splitlines() if not re.match(r"[WI]\d{4} ", line)]  # torchrun's banners
+        # torchrun's banners out
+        stderr = [line for line in result.stderr.splitlines() if not re.match(r"[WI]\d{4} ", line)]
         print(result.stdout[-2000:] + "\n".join(stderr)[-6000:])
         raise SystemExit(f"{name} ({impl}) failed: {' '.join(command)}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -191,7 +192,8 @@ def main():
     best = {key: max(rows, key=lambda r: r["tokens_per_s"]) for key, rows in runs.items()}
 
     print(f"\n{args.model}, block {args.block_size}, global batch {args.global_batch}, {args.device} {args.dtype}, "
-          f"{args.threads} thread(s) a rank, best of {args.rounds} rounds, median of steps {args.warmup}..{args.steps - 3}")
+          f"{args.threads} thread(s) a rank, best of {args.rounds} rounds, "
+          f"median of steps {args.warmup}..{args.steps - 3}")
     header = f"{'strategy':12} {'impl':6} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} " \
              f"{'comm MB/step':>12} {'formula MB':>10} {'colls':>6}"
     print(header + "\n" + "-" * len(header))

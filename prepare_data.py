@@ -1,7 +1,7 @@
 """
 Text -> train.bin / val.bin (uint16 token ids, one flat stream each) + meta.json.
 
-    python prepare_data.py                                   # offline default: the Python standard library's sources, bytes
+    python prepare_data.py                       # offline default: the Python standard library's sources, bytes
     python prepare_data.py --dataset shakespeare             # tiny-shakespeare (download), gpt2 BPE
     python prepare_data.py --dataset openwebtext --num_proc 16
     python prepare_data.py --dataset fineweb-edu

@@ -398,7 +398,8 @@ def test_sampler_rows_partition_the_global_batch(corpus, micro_batch):
 
 
 def test_lr_schedule():
-    args = training.get_parser("").parse_args(["--lr", "1.0", "--min_lr", "0.1", "--warmup_steps", "10", "--max_steps", "110"])
+    args = training.get_parser("").parse_args(["--lr", "1.0", "--min_lr", "0.1", "--warmup_steps", "10",
+                                                "--max_steps", "110"])
     assert training.get_lr(0, args) == pytest.approx(0.1)
     assert training.get_lr(9, args) == pytest.approx(1.0)
     assert training.get_lr(60, args) == pytest.approx(0.55)
@@ -1059,7 +1060,8 @@ def test_fsdp_checkpoint_resumes_anywhere(corpus, tmp_path, tmp_path_factory):
     crashed = run_distributed(2, _train_until, train_fsdp.main, 4, flags(corpus, fsdp_saved, ckpt_interval=3))
     assert crashed == ["crashed"] * 2
     assert _train_until(train_single.main, 4, flags(corpus, single_saved, ckpt_interval=3)) == "crashed"
-    for saved, resumed_by, world_size in [(fsdp_saved, "single", 1), (fsdp_saved, "fsdp", 4), (single_saved, "fsdp", 2)]:
+    for saved, resumed_by, world_size in [(fsdp_saved, "single", 1), (fsdp_saved, "fsdp", 4),
+                                          (single_saved, "fsdp", 2)]:
         out_dir = tmp_path / f"{saved.name}-resumed-by-{resumed_by}-{world_size}"
         shutil.copytree(saved, out_dir)
         argv = flags(corpus, out_dir, ckpt_interval=3, resume=True)
@@ -1113,7 +1115,7 @@ def _tensor_parallel_model(config, seed, sequence_parallel=False, loss_parallel=
     model.to_empty(device="cpu")
     model.lm_head.weight = model.wte.weight
     with torch.no_grad():
-        for part in train_tp.parameter_parts(model):
+        for part in training.parameter_parts(model):
             part.tensor.copy_(part.initial_value(config, seed))
     return model
 
@@ -1130,7 +1132,7 @@ def _gradient_errors(sequence_parallel, loss_parallel):
     model = _tensor_parallel_model(config, 5, sequence_parallel, loss_parallel)
     loss = model(idx, targets)
     loss.backward()
-    parts = train_tp.parameter_parts(model)
+    parts = training.parameter_parts(model)
     if sequence_parallel:
         train_tp.allreduce_replicated_grads(parts, dist.group.WORLD)
     errors = {"loss": abs(loss.item() - reference(idx, targets).item()) / loss.item()}
@@ -1215,7 +1217,8 @@ def _layers_alone(sequence_parallel):
         dist.all_reduce(row.bias.grad)
     pairs = [(local_hidden, shard(hidden, -1)), (local_out, shard(out, 1) if sequence_parallel else out),
              (local_x.grad, shard(x.grad, 1) if sequence_parallel else x.grad),
-             (column.weight.grad, shard(column_full.weight.grad, 0)), (column.bias.grad, shard(column_full.bias.grad, 0)),
+             (column.weight.grad, shard(column_full.weight.grad, 0)),
+             (column.bias.grad, shard(column_full.bias.grad, 0)),
              (row.weight.grad, shard(row_full.weight.grad, 1)), (row.bias.grad, row_full.bias.grad)]
     return [((a - b).abs().max() / b.abs().max()).item() for a, b in pairs]
 
@@ -1260,7 +1263,7 @@ def _replicated_after_training(argv):
         train_tp.main(argv)
     finally:
         train_tp.parallelize = parallelize  # a launched world runs the next tests in this process
-    return {part.name: part.tensor.detach().numpy() for part in train_tp.parameter_parts(models[0]) if not part.sliced}
+    return {part.name: part.tensor.detach().numpy() for part in training.parameter_parts(models[0]) if not part.sliced}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -1367,7 +1370,8 @@ def _refused(argv):
 
 @pytest.mark.parametrize("world_size, overrides, message", [
     (4, dict(tp=2, dp=3), "--tp 2 x --dp 3 = 6 ranks, but the world has 4"),
-    (4, dict(tp=4, dp=1, model="tiny", block_size=30, sequence_parallel=True), "--block_size (30) is not divisible by --tp 4"),
+    (4, dict(tp=4, dp=1, model="tiny", block_size=30, sequence_parallel=True),
+     "--block_size (30) is not divisible by --tp 4"),
     (3, dict(tp=3, dp=1), "n_head (4) is not divisible by --tp 3"),
     (2, dict(tp=2, dp=1, global_batch=3, micro_batch=2), "not a multiple of --micro_batch"),
 ])
@@ -1642,7 +1646,8 @@ def test_elastic_restart_resumes_from_the_checkpoint(corpus, tmp_path, tmp_path_
     argv = flags(corpus, out_dir, ckpt_interval=2, timeout=COLLECTIVE_TIMEOUT_S, resume=True)
     wrapper, marker = fault_wrapper(tmp_path, fault="kill")
     with launcher(tmp_path) as start:
-        code, output, _ = start(*standalone(2, wrapper, argv, "--max-restarts=1"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1").wait()
+        code, output, _ = start(*standalone(2, wrapper, argv, "--max-restarts=1"),
+                                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1").wait()
     assert code == 0, output[-5000:]
     assert os.path.exists(marker), "the fault never struck"
     assert "from scratch" in output and "resuming at step 2" in output

@@ -19,7 +19,6 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.nn.parallel import DistributedDataParallel
 
 import gpt
-import train_tp
 import training
 
 
@@ -109,7 +108,7 @@ def parallelize_with_dtensor(model, mesh, sequence_parallel, loss_parallel):
     if loss_parallel:
         model.loss_fn = DTensorLossParallel.apply
     whole = lambda logits: logits.full_tensor() if isinstance(logits, DTensor) else logits  # noqa: E731
-    return train_tp.add_sampling_hooks(model, mesh.size() if sequence_parallel else 1, whole)
+    return training.sampling_hooks(model, mesh.size() if sequence_parallel else 1, whole)
 
 
 def clip_grad_norm_(parameters, max_norm):
@@ -117,7 +116,8 @@ def clip_grad_norm_(parameters, max_norm):
     TP, 2-D and data-parallel-only meshes in 2-D): one total norm over the full tensors, then each mesh clipped."""
     parameters = [param for param in parameters if param.grad is not None]
     norms = [torch.linalg.vector_norm(param.grad) for param in parameters]
-    total_norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
+    total_norm = torch.linalg.vector_norm(torch.stack(norms))
     for mesh in {getattr(param, "device_mesh", None) for param in parameters}:
         same = [param for param in parameters if getattr(param, "device_mesh", None) == mesh]
         torch.nn.utils.clip_grads_with_norm_(same, max_norm, total_norm)
@@ -130,7 +130,8 @@ def full_tensors(model, optimizer, master):
     tensors = {}
     for name, param in model.named_parameters():
         state = optimizer.state.get(param, {})
-        for key, tensor in [(name, param)] + [(f"{m}/{name}", state[m]) for m in ("exp_avg", "exp_avg_sq") if m in state]:
+        moments = [(f"{moment}/{name}", state[moment]) for moment in ("exp_avg", "exp_avg_sq") if moment in state]
+        for key, tensor in [(name, param)] + moments:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if master:
                 tensors[key] = [training.piece(full.shape, full)]

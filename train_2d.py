@@ -43,7 +43,8 @@ def new_groups(tp, dp):
 @record  # under torchrun, the error file names the failing rank with its traceback
 def main(argv=None):
     parser = training.get_parser(__doc__)
-    parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: DTensor + FSDP2 on a DeviceMesh")
+    parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
+                        help="torch: DTensor + FSDP2 on a DeviceMesh")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks inside a node)")
     parser.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / --tp)")
     parser.add_argument("--sequence_parallel", action="store_true")
@@ -72,7 +73,6 @@ def main(argv=None):
     with torch.device("meta"):
         model = gpt.GPT(config)
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
-    num_params, num_params_without_position = model.num_params(), model.num_params(with_position_embedding=False)
 
     # ---- strategy: tensor parallel inside each TP group, then fully sharded over each DP group
     if args.impl == "torch":
@@ -82,7 +82,7 @@ def main(argv=None):
     else:
         train_tp.parallelize(model, tp_group, args.sequence_parallel, not args.no_loss_parallel,
                              dropout_seed=args.seed + 1000 * (1 + rank))
-        tp_parts = {part.name: part for part in train_tp.parameter_parts(model)}
+        tp_parts = {part.name: part for part in training.parameter_parts(model)}
         model = train_fsdp.FullyShardedDataParallel(
             model, process_group=dp_group, device=device, compute_dtype=getattr(torch, args.dtype),
             reshard_after_forward=not args.no_reshard, tp_parts=tp_parts,
@@ -94,10 +94,10 @@ def main(argv=None):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
-    logger = training.Logger(args, config, num_params_without_position, device, rank, world_size)
+    logger = training.Logger(args, config, device, rank, world_size)
     tp_groups, dp_groups = grid(tp, dp)
     logger.print(f"grid: {dp} data-parallel x {tp} tensor-parallel | TP groups {tp_groups} | DP groups {dp_groups}")
-    logger.start(num_params, train_data.micro_batch, train_data.accumulation, dp_size, start_step)
+    logger.start(train_data, dp_size, start_step)
 
     # ---- loop
     for step in range(start_step, args.max_steps):

@@ -3,7 +3,8 @@ Data parallel, by hand: every rank holds the whole model and trains on its own r
 are averaged over the ranks by bucketed all-reduces that overlap the backward pass.
 
     torchrun --standalone --nproc_per_node=2 train_ddp.py                   # tiny model, embedded default corpus
-    torchrun --nproc_per_node=8 train_ddp.py --model gpt2 --data data/openwebtext --block_size 1024 --dtype bfloat16 --compile
+    torchrun --nproc_per_node=8 train_ddp.py --model gpt2 --data data/openwebtext --block_size 1024 \
+        --dtype bfloat16 --compile
     torchrun --standalone --nproc_per_node=2 train_ddp.py --impl torch      # the same loop with PyTorch's DDP
 
 Reads top to bottom: arguments -> process groups -> model -> strategy -> loop -> checkpoint.
@@ -159,14 +160,14 @@ def main(argv=None):
         ddp_model = torch_reference.data_parallel(model, device, args.bucket_mb)
     else:
         ddp_model = DataParallel(model, args.bucket_mb)
-    parts = [training.whole_part(name, param) for name, param in model.named_parameters()]
+    parts = training.parameter_parts(model)
     optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, device)
     forward = torch.compile(ddp_model) if args.compile else ddp_model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
-    logger = training.Logger(args, config, model.num_params(with_position_embedding=False), device, rank, world_size)
-    logger.start(model.num_params(), train_data.micro_batch, train_data.accumulation, dp_size, start_step)
+    logger = training.Logger(args, config, device, rank, world_size)
+    logger.start(train_data, dp_size, start_step)
 
     # ---- loop
     for step in range(start_step, args.max_steps):

@@ -243,7 +243,8 @@ class FullyShardedDataParallel(nn.Module):
 def main(argv=None):
     parser = training.get_parser(__doc__)
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
-    parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from its forward to its backward")
+    parser.add_argument("--no_reshard", action="store_true",
+                        help="keep each unit gathered from its forward to its backward")
     parser.add_argument("--no_deferred_init", action="store_true",
                         help="build the whole model first (default: on meta; each rank initialises only its shards)")
     args = parser.parse_args(argv)
@@ -265,7 +266,6 @@ def main(argv=None):
     if args.no_deferred_init:
         model.init_weights(args.seed)
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
-    num_params, num_params_without_position = model.num_params(), model.num_params(with_position_embedding=False)
 
     # ---- strategy: each unit's parameters, gradients and AdamW state sharded over the ranks; gathered to compute
     if args.impl == "torch":
@@ -283,8 +283,8 @@ def main(argv=None):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
-    logger = training.Logger(args, config, num_params_without_position, device, rank, world_size)
-    logger.start(num_params, train_data.micro_batch, train_data.accumulation, dp_size, start_step)
+    logger = training.Logger(args, config, device, rank, world_size)
+    logger.start(train_data, dp_size, start_step)
 
     # ---- loop
     for step in range(start_step, args.max_steps):

@@ -38,14 +38,14 @@ def main(argv=None):
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
 
     # ---- strategy: none; every parameter lives whole on this device
-    parts = [training.whole_part(name, param) for name, param in model.named_parameters()]
+    parts = training.parameter_parts(model)
     optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, device)
     forward = torch.compile(model) if args.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
-    logger = training.Logger(args, config, model.num_params(with_position_embedding=False), device, rank, world_size)
-    logger.start(model.num_params(), train_data.micro_batch, train_data.accumulation, dp_size, start_step)
+    logger = training.Logger(args, config, device, rank, world_size)
+    logger.start(train_data, dp_size, start_step)
 
     # ---- loop
     for step in range(start_step, args.max_steps):

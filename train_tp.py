@@ -181,22 +181,6 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * grad_loss.unsqueeze(-1), None, None  # autograd casts it back to the logits' dtype
 
 
-class TensorParallelRNG:
-    """Dropout on this rank's heads must differ across ranks, on the replicated residual stream agree: `swap`, a
-    pre-hook on the attention and on its output projection, swaps the default generator's state with the region's."""
-
-    def __init__(self, seed):
-        self.seed, self.state = seed, None
-
-    def swap(self, module, args):
-        current = training.rng_state(args[0].device)
-        if self.state is None:
-            torch.manual_seed(self.seed)
-        else:
-            training.set_rng_state(self.state, args[0].device)
-        self.state = current
-
-
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropout_seed=0):
     """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place, on meta before to_empty and
     init_weights. dropout_seed seeds the tensor-parallel region's dropout: different on every rank."""
@@ -210,7 +194,7 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
         model.loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(logits, targets, group).mean()
     else:  # Megatron's parallel_output=False: every rank gathers the whole [tokens, vocab] logits
         model.lm_head.register_forward_hook(lambda module, args, logits: gather(logits))
-    regions, rng = [model.lm_head], TensorParallelRNG(dropout_seed)
+    regions, rng = [model.lm_head], training.RNGStream("tensor_parallel", dropout_seed)
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
         attn.query, attn.key, attn.value = (ColumnParallelLinear(m, group) for m in (attn.query, attn.key, attn.value))
@@ -223,33 +207,7 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
     for module in regions:  # f once where each tensor-parallel region starts: q, k and v share one
         module.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel),))
     tp = dist.get_world_size(group)
-    return add_sampling_hooks(model, tp if sequence_parallel else 1, gather if loss_parallel else nn.Identity())
-
-
-def add_sampling_hooks(model, multiple, gather):
-    """generate() calls model(idx) without targets, at any length, and wants whole logits: pad the prompt to a
-    multiple of the sequence shards (causal: padding never reaches earlier positions), gather, drop the padding."""
-    lengths = []
-
-    def pad(module, args, kwargs):
-        if len(args) == 1 and kwargs.get("targets") is None:
-            lengths.append(args[0].shape[1])
-            return (F.pad(args[0], (0, -args[0].shape[1] % multiple)),), kwargs
-
-    model.register_forward_pre_hook(pad, with_kwargs=True)
-    model.register_forward_hook(lambda module, args, out: gather(out)[:, :lengths.pop()] if out.dim() == 3 else None)
-    return model
-
-
-def parameter_parts(model):
-    """The training.Part of every parameter: a slice for our layers' `boxes`, the whole tensor otherwise. The tied
-    LM head is listed once, as wte.weight."""
-    parts = []
-    for name, param in model.named_parameters():
-        module_name, _, param_name = name.rpartition(".")
-        shape, box = getattr(model.get_submodule(module_name), "boxes", {}).get(param_name, (None, None))
-        parts.append(training.whole_part(name, param, shape, box))
-    return parts
+    return training.sampling_hooks(model, tp if sequence_parallel else 1, gather if loss_parallel else nn.Identity())
 
 
 def allreduce_replicated_grads(parts, group):
@@ -299,7 +257,6 @@ def main(argv=None):
     # ---- model: built on meta, parallelised there, materialised on the device, each slice initialised by name
     with torch.device("meta"):
         model = gpt.GPT(config)
-    num_params, num_params_without_position = model.num_params(), model.num_params(with_position_embedding=False)
     if args.impl == "torch":
         import torch_reference
         model, groups, clip_grad_norm = torch_reference.tensor_parallel(model, config, args, device)
@@ -309,7 +266,7 @@ def main(argv=None):
                     args.seed + world_size + rank)
         model.to_empty(device=device)
         model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
-        parts = parameter_parts(model)
+        parts = training.parameter_parts(model)
         with torch.no_grad():  # each slice of gpt.initial_value: together the ranks hold train_single's weights
             for part in parts:
                 part.tensor.copy_(part.initial_value(config, args.seed))
@@ -323,10 +280,11 @@ def main(argv=None):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
-    logger = training.Logger(args, config, num_params_without_position, device, rank, world_size)
-    modes = [args.impl] + ["sequence parallel"] * args.sequence_parallel + ["loss parallel"] * (not args.no_loss_parallel)
-    logger.start(num_params, train_data.micro_batch, train_data.accumulation, dp_size, start_step,
-                 layout=f"tensor parallel {tp} ({', '.join(modes)}) | ")
+    logger = training.Logger(args, config, device, rank, world_size)
+    modes = ", ".join([args.impl] + ["sequence parallel"] * args.sequence_parallel
+                      + ["loss parallel"] * (not args.no_loss_parallel))
+    logger.start(train_data, dp_size, start_step,
+                 layout=f"tensor parallel {tp} ({modes}) | ")
 
     # ---- loop
     for step in range(start_step, args.max_steps):

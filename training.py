@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import gpt
 
@@ -262,7 +263,8 @@ def load_data(args, dp_rank, dp_size, device, is_writer):
     meta = ensure_data(args.data, is_writer)
     micro_batch = args.micro_batch or args.global_batch // dp_size
     train_data, val_data = (BatchSampler(os.path.join(args.data, f"{split}.bin"), args.block_size, args.global_batch,
-                                         micro_batch, dp_rank, dp_size, args.seed, device) for split in ("train", "val"))
+                                         micro_batch, dp_rank, dp_size, args.seed, device)
+                            for split in ("train", "val"))
     config = gpt.make_config(args.model, meta["vocab_size"], args.block_size, args.dropout)
     return meta, config, train_data, val_data
 
@@ -290,6 +292,22 @@ def estimate_loss(model, sampler, iters, autocast, dp_group=None):
     if dp_group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.AVG, group=dp_group)
     return total.item()
+
+
+def sampling_hooks(model, multiple, gather):
+    """For a model split along the sequence or the vocabulary (train_tp.py, torch_reference.py): generate() calls
+    model(idx) without targets, at any length, and wants whole logits. Pad the prompt to a `multiple` of the
+    sequence shards (causal: padding never reaches earlier positions), gather the logits, drop the padding."""
+    lengths = []
+
+    def pad(module, args, kwargs):
+        if len(args) == 1 and kwargs.get("targets") is None:
+            lengths.append(args[0].shape[1])
+            return (F.pad(args[0], (0, -args[0].shape[1] % multiple)),), kwargs
+
+    model.register_forward_pre_hook(pad, with_kwargs=True)
+    model.register_forward_hook(lambda module, args, out: gather(out)[:, :lengths.pop()] if out.dim() == 3 else None)
+    return model
 
 
 def sample(model, meta, args, device, autocast, show):
@@ -393,6 +411,18 @@ def whole_part(name, tensor, shape=None, box=None):
     shape = tuple(tensor.shape if shape is None else shape)
     box = tuple((0, n) for n in shape) if box is None else tuple(box)
     return Part(name, shape, box, (0, tensor.numel()), tensor)
+
+
+def parameter_parts(model):
+    """The Part of every parameter of a model whose modules may hold slices: a module lists its slices in a `boxes`
+    dict, parameter name -> (full shape, box) (train_tp.py's layers); any other parameter is whole. A tied parameter
+    is listed once, under its first name (wte.weight for the LM head)."""
+    parts = []
+    for name, param in model.named_parameters():
+        module_name, _, param_name = name.rpartition(".")
+        shape, box = getattr(model.get_submodule(module_name), "boxes", {}).get(param_name, (None, None))
+        parts.append(whole_part(name, param, shape, box))
+    return parts
 
 
 def piece(shape, data, box=None, flat=None):
@@ -567,19 +597,54 @@ def resume(path, parts, optimizer, config, rank, device):
     return checkpoint.meta["step"]
 
 
-def rng_state(device):
+def generator_state(device):
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state, device):
-    if state is None:
-        return
+def set_generator_state(state, device):
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+rng_streams = {}  # name -> RNGStream: the streams this process's model draws from, saved in its checkpoints
+
+
+class RNGStream:
+    """A second stream of random numbers, for a region whose draws must differ from the rest's: dropout on a
+    tensor-parallel rank's own heads must differ across ranks, dropout on activations every rank holds alike must
+    agree. `swap`, a forward hook where the region starts and again where it ends, exchanges the default
+    generator's state with the stream's (as Megatron-LM's RNG tracker forks it); seeded on first use."""
+
+    def __init__(self, name, seed):
+        self.seed, self.state = seed, None
+        rng_streams[name] = self
+
+    def swap(self, module, args, *output):
+        device = args[0].device
+        current = generator_state(device)
+        if self.state is None:
+            torch.manual_seed(self.seed)
+        else:
+            set_generator_state(self.state, device)
+        self.state = current
+
+
+def rng_state(device):
+    """Every generator this rank draws from: the default ones (CPU, and this GPU's) and the streams."""
+    return dict(generator_state(device), streams={name: stream.state for name, stream in rng_streams.items()})
+
+
+def set_rng_state(state, device):
+    if state is None:
+        return
+    set_generator_state(state, device)
+    for name, stream_state in state.get("streams", {}).items():
+        if name in rng_streams:
+            rng_streams[name].state = stream_state
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -615,11 +680,15 @@ class Logger:
     """Progress of a run: the console (rank 0, or every rank with --log_all_ranks) and, from rank 0,
     <out_dir>/metrics.jsonl with TensorBoard and Weights & Biases when asked for (optional packages)."""
 
-    def __init__(self, args, config, num_params, device, rank=0, world_size=1):
+    def __init__(self, args, config, device, rank=0, world_size=1):
         self.args, self.device, self.world_size = args, device, world_size
         self.writes, self.prints = rank == 0, rank == 0 or args.log_all_ranks
         self.prefix = f"[rank {rank}] " if args.log_all_ranks else ""
-        self.flops_per_token, self.peak_flops = gpt.flops_per_token(config, num_params), peak_flops(device)
+        with torch.device("meta"):  # the whole model's counts, whatever part of it this rank holds
+            model = gpt.GPT(config)
+        self.num_params = model.num_params()
+        self.flops_per_token = gpt.flops_per_token(config, model.num_params(with_position_embedding=False))
+        self.peak_flops = peak_flops(device)
         self.tensorboard = self.wandb = None
         if not self.writes:
             return
@@ -642,11 +711,11 @@ class Logger:
         if self.prints:
             print(self.prefix + text)
 
-    def start(self, num_params, micro_batch, accumulation, dp_size, start_step, layout=""):
-        self.print(f"{self.args.model}: {num_params / 1e6:.2f}M parameters | {self.world_size} rank"
+    def start(self, sampler, dp_size, start_step, layout=""):
+        self.print(f"{self.args.model}: {self.num_params / 1e6:.2f}M parameters | {self.world_size} rank"
                    f"{'s' * (self.world_size > 1)} on {self.device} | {layout}global batch {self.args.global_batch} = "
-                   f"micro batch {micro_batch} x {accumulation} accumulation x {dp_size} data-parallel | "
-                   f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}")
+                   f"micro batch {sampler.micro_batch} x {sampler.accumulation} accumulation x {dp_size} data-parallel"
+                   f" | {'resuming at step ' + str(start_step) if start_step else 'from scratch'}")
 
     def due(self, step, val_loss):
         return step % self.args.log_interval == 0 or step + 1 == self.args.max_steps or val_loss is not None
