@@ -219,7 +219,7 @@ class FullyShardedDataParallel(nn.Module):
             self.in_flight = None
 
     def parameter_groups(self):
-        """(with weight decay, without): the trainable shards, for gpt.make_optimizer."""
+        """(with weight decay, without): the trainable shards, for training.make_optimizer."""
         trained = [flat for flat in self.flats if flat.shard.requires_grad]
         return [f.shard for f in trained if f.decay], [f.shard for f in trained if not f.decay]
 
