@@ -8,6 +8,7 @@ under them; what every training script needs that is not the model lives in trai
 import hashlib
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -123,7 +124,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: named_parameters() lists it once, as wte.weight
         # An attribute, not a call inside forward, so tensor parallelism can swap in its vocab-parallel loss.
-        self.loss_fn = F.cross_entropy
+        self.loss_fn = partial(cross_entropy, vocab_size=config.vocab_size)
 
     def forward(self, idx, targets=None):
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -146,6 +147,12 @@ class GPT(nn.Module):
     def num_params(self, with_position_embedding=True):
         n = sum(p.numel() for p in self.parameters())
         return n if with_position_embedding else n - self.wpe.weight.numel()
+
+
+def cross_entropy(logits, targets, vocab_size):
+    """GPT-2's loss: a softmax over the tokenizer's vocabulary only. The classes that pad the embedding up to
+    padded_vocab_size are no tokens: they take neither probability nor gradient."""
+    return F.cross_entropy(logits[:, :vocab_size], targets)
 
 
 def initial_value(name, shape, config, seed):
@@ -176,17 +183,23 @@ def set_attention(model, attn, device, dtype):
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, block_size, temperature=0.8, top_k=40, seed=0):
-    """Sample max_new_tokens after idx. The sampling generator is seeded, so every rank of a sharded model
-    draws the same tokens and runs the same forward passes."""
+def generate(model, idx, max_new_tokens, block_size, vocab_size, temperature=0.8, top_k=40, seed=0):
+    """Sample max_new_tokens after idx from the tokenizer's vocab_size classes (never a padding class), in eval
+    mode (no dropout). The sampling generator is seeded, so every rank of a sharded model draws the same tokens
+    and runs the same forward passes."""
     generator = torch.Generator(device=idx.device).manual_seed(seed)
-    for _ in range(max_new_tokens):
-        logits = model(idx[:, -block_size:])[:, -1, :].float() / temperature
-        if top_k:
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
-            logits = logits.masked_fill(logits < kth, -float("inf"))
-        next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-        idx = torch.cat([idx, next_token], dim=1)
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            logits = model(idx[:, -block_size:])[:, -1, :vocab_size].float() / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, -float("inf"))
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, next_token], dim=1)
+    finally:
+        model.train(was_training)
     return idx
 
 

@@ -947,11 +947,13 @@ def _memory_after_a_step():
     fsdp(x, x).backward()
     fsdp.clip_grad_norm_(1.0)
     optimizer.step()
-    tensors = [p for p in fsdp.parameters()] + [p.grad for p in fsdp.parameters()]
+    tensors = [p for p in fsdp.shards] + [p.grad for p in fsdp.shards]
     tensors += [t for state in optimizer.state.values() for t in state.values() if t.dim() > 0]
     flats = fsdp.flats
+    shard_storages = {shard.untyped_storage().data_ptr() for shard in fsdp.shards}
+    views = all(param.untyped_storage().data_ptr() in shard_storages for param in model.parameters())
     return (sum(t.numel() * t.element_size() for t in tensors), gpt.GPT(config).num_params(),
-            sum(flat.padding for flat in flats), len(flats), len(fsdp.gathered), list(model.named_parameters()))
+            sum(flat.padding for flat in flats), len(flats), len(fsdp.gathered), views)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -964,7 +966,67 @@ def test_fsdp_memory_is_one_nth(world_size):
         assert held * world_size == 16 * (total + padding)
         assert padding <= (world_size - 1) * flats  # each flat parameter pads to a multiple of the world size
         assert padding > 0 or world_size != 3
-        assert gathered == 0 and original == []  # no full copy kept; the model holds no parameter of its own
+        assert gathered == 0 and original  # no full copy kept; the model's parameters are views into the shards
+
+
+def _local_parameters_by_name():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    model, fsdp, _ = _build(config)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))  # the same rows on every rank
+    fsdp(x, x).backward()
+    local = dict(model.named_parameters())
+    ranges = {part.name: part.flat for part in fsdp.parts()}  # which elements of the full tensor this rank holds
+    return {name: (ranges.get(name, (0, 0)), param.detach().numpy().copy(), param.grad.numpy().copy())
+            for name, param in local.items()}
+
+
+def test_fsdp_parameters_stay_reachable_by_name():
+    """After backward, each name of the wrapped model gives this rank's piece of that parameter and of its gradient
+    (1-D views into the shard, some empty); together the ranks' pieces are train_single's weights and gradients."""
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    reference = gpt.GPT(config)
+    reference.init_weights(seed=5)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    reference(x, x).backward()
+    ranks = run_distributed(3, _local_parameters_by_name)  # 3 ranks: uneven shards, padding
+    for name, param in reference.named_parameters():
+        weight, grad = torch.zeros(param.numel()), torch.zeros(param.numel())
+        for pieces in ranks:
+            (begin, end), local_weight, local_grad = pieces[name]
+            assert local_weight.shape == local_grad.shape == (end - begin,)
+            weight[begin:end], grad[begin:end] = torch.from_numpy(local_weight), torch.from_numpy(local_grad)
+        assert sum(pieces[name][1].size for pieces in ranks) == param.numel(), name
+        torch.testing.assert_close(weight, param.detach().flatten(), rtol=0, atol=0)
+        torch.testing.assert_close(grad, param.grad.flatten(), rtol=1e-5, atol=1e-7)
+
+
+def _samples_on_every_rank(script):
+    config = gpt.make_config("tiny", vocab_size=256, block_size=16, dropout=0.5)
+    torch.manual_seed(dist.get_rank())  # as the scripts: data-parallel ranks draw different dropout masks
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    if script == "2d":
+        tp_group, dp_group = train_2d.new_groups(2, 2)
+        train_tp.parallelize(model, tp_group, dropout_seed=10 + dist.get_rank())
+        tp_parts = {part.name: part for part in training.parameter_parts(model)}
+        initial_value = lambda name, param: tp_parts[name].initial_value(config, 3)  # noqa: E731
+    else:
+        dp_group, tp_parts = None, None
+        initial_value = lambda name, param: gpt.initial_value(name, param.shape, config, 3)  # noqa: E731
+    wrapped = train_fsdp.FullyShardedDataParallel(model, process_group=dp_group, initial_value=initial_value,
+                                                 tp_parts=tp_parts)
+    tokens = gpt.generate(wrapped, torch.tensor([[10, 20, 30]]), 12, 16, 256, seed=1)
+    return tokens.numpy(), wrapped.training
+
+
+@pytest.mark.parametrize("script, world_size", [("fsdp", 2), ("2d", 4)])
+def test_sampling_is_in_eval_mode_and_the_same_on_every_rank(script, world_size):
+    """generate() turns dropout off and restores training mode: with --dropout 0.5 every data-parallel rank (whose
+    dropout masks differ) samples the same tokens, and the model is back in training mode."""
+    ranks = run_distributed(world_size, _samples_on_every_rank, script)
+    for tokens, training_mode in ranks:
+        np.testing.assert_array_equal(tokens, ranks[0][0])
+        assert training_mode
 
 
 def _any_module():
@@ -1153,27 +1215,74 @@ def test_tp_gradients_are_the_slices_of_single(tp, sequence_parallel, loss_paral
         assert errors[worst] < 1e-5, f"{worst}: {errors[worst]:.2e}"
 
 
-def _vocab_parallel_loss(scale):
+def _vocab_parallel_loss(scale, vocab_size):
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 384, generator=generator) * scale
-    targets = torch.randint(0, 384, (64,), generator=generator)
+    logits[:, vocab_size:] += 10 * scale  # padding classes that would dominate if they took part
+    targets = torch.randint(0, vocab_size, (64,), generator=generator)
     full = logits.clone().requires_grad_()
-    expected = F.cross_entropy(full, targets)
+    expected = F.cross_entropy(full[:, :vocab_size], targets)  # over the tokenizer's vocabulary only
     expected.backward()
     local = logits.chunk(world, -1)[rank].clone().requires_grad_()
-    loss = train_tp.VocabParallelCrossEntropy.apply(local, targets, group).mean()
+    loss = train_tp.VocabParallelCrossEntropy.apply(local, targets, group, vocab_size).mean()
     loss.backward()
     grad_error = (local.grad - full.grad.chunk(world, -1)[rank]).abs().max() / full.grad.abs().max()
     return abs(loss.item() - expected.item()) / expected.item(), grad_error.item(), bool(torch.isfinite(loss))
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e4])
-def test_vocab_parallel_cross_entropy_equals_cross_entropy(scale):
-    """Loss and gradient equal F.cross_entropy on the whole logits, also at logits ~1e4 (exp would overflow)."""
-    for loss_error, grad_error, finite in run_distributed(2, _vocab_parallel_loss, scale):
+@pytest.mark.parametrize("vocab_size", [384, 300, 150])  # 150 of 384 on 4 ranks: one rank holds only padding
+def test_vocab_parallel_cross_entropy_equals_cross_entropy(scale, vocab_size):
+    """Loss and gradient equal F.cross_entropy over the real vocabulary, also at logits ~1e4 (exp would overflow);
+    padding classes get no gradient."""
+    for loss_error, grad_error, finite in run_distributed(2 if vocab_size > 150 else 4, _vocab_parallel_loss, scale,
+                                                          vocab_size):
         assert finite and loss_error < 1e-6 and grad_error < 1e-6, (loss_error, grad_error)
+
+
+def test_loss_is_over_the_real_vocabulary_only():
+    """GPT-2's loss at a vocabulary that is not a multiple of 128 (200, padded to 256): F.cross_entropy over the
+    first 200 logits, whatever the padding rows of the tied embedding hold; sampling never draws a padding id."""
+    config = gpt.make_config("tiny", vocab_size=200, block_size=16)
+    model = gpt.GPT(config)
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        model.wte.weight[200:] = 1.0  # padding classes with large logits: they would take most of the probability
+    idx = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(idx)
+    assert logits.shape[-1] == 256
+    expected = F.cross_entropy(logits[..., :200].flatten(0, 1), idx.flatten())
+    torch.testing.assert_close(model(idx, idx), expected, rtol=0, atol=0)
+    model(idx, idx).backward()
+    assert model.wte.weight.grad[200:].abs().max() == 0  # no gradient reaches a padding class's row
+    tokens = gpt.generate(model, idx[:1, :3], 40, config.block_size, config.vocab_size, temperature=2.0, top_k=0)
+    assert tokens.max() < 200
+
+
+def _padded_vocabulary_errors(sequence_parallel, loss_parallel):
+    """Loss and gradients of tensor parallelism at vocabulary 200 (padded to 256), against F.cross_entropy over the
+    real vocabulary of one device's logits."""
+    config = gpt.make_config("tiny", vocab_size=200, block_size=16)
+    idx = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    reference = gpt.GPT(config)
+    reference.init_weights(seed=5)
+    expected = F.cross_entropy(reference(idx)[..., :200].flatten(0, 1), idx.flatten())
+    expected.backward()
+    model = _tensor_parallel_model(config, 5, sequence_parallel, loss_parallel)
+    loss = model(idx, idx)
+    loss.backward()
+    wte = next(part for part in training.parameter_parts(model) if part.name == "wte.weight")
+    expected_grad = reference.wte.weight.grad[tuple(slice(*box) for box in wte.box)]
+    return abs(loss.item() - expected.item()) / expected.item(), ((wte.tensor.grad - expected_grad).abs().max()
+                                                                  / reference.wte.weight.grad.abs().max()).item()
+
+
+@pytest.mark.parametrize("sequence_parallel, loss_parallel", [(False, True), (True, False), (True, True)])
+def test_tp_loss_is_over_the_real_vocabulary_only(sequence_parallel, loss_parallel):
+    for loss_error, grad_error in run_distributed(2, _padded_vocabulary_errors, sequence_parallel, loss_parallel):
+        assert loss_error < 1e-6 and grad_error < 1e-5, (loss_error, grad_error)
 
 
 def _holds_whole_logits(loss_parallel):
@@ -1255,6 +1364,47 @@ def test_tp_dropout_differs_inside_the_region_and_agrees_outside():
     assert not np.array_equal(ranks[0][inside[0]], ranks[0][inside[1]])  # and layers do not repeat each other
 
 
+def _sequence_parallel_masks():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=16, dropout=0.5)
+    torch.manual_seed(1234)  # as train_tp.main: the default generator is the same on every tp rank
+    model = _tensor_parallel_model(config, 0, sequence_parallel=True, dropout_seed=1234 + 2 + dist.get_rank())
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with RecordOutputs() as mode:
+        model(idx, idx).backward()
+    return [mask.numpy().copy() for op, mask in mode.outputs if "bernoulli" in op.__name__ and mask.ndim == 3]
+
+
+def test_sequence_parallel_dropout_masks_do_not_repeat_across_shards():
+    """Under sequence parallelism each rank drops out its own sequence shard of the residual stream: the gathered
+    full-sequence mask must not repeat with period T / tp (it would if every rank drew from the same generator)."""
+    ranks = run_distributed(2, _sequence_parallel_masks)
+    assert len(ranks[0]) == 1 + 2 * 4  # embedding, then per block: attention output, MLP output
+    for first, second in zip(*ranks):
+        assert first.shape == (2, 8, 128) and not np.array_equal(first, second)
+
+
+def _resumed_with_dropout(main, folder, argv):
+    """main's 6 straight steps, and 6 steps crashed at step 4 (after the checkpoint of step 3) and resumed."""
+    main(argv + ["--out_dir", str(folder / "straight")])
+    interrupted = argv + ["--out_dir", str(folder / "interrupted"), "--ckpt_interval", "3"]
+    assert _train_until(main, 4, interrupted) == "crashed"
+    main(interrupted + ["--resume"])
+
+
+@pytest.mark.parametrize("script, world_size, extra", [
+    ("tp", 2, dict(sequence_parallel=True)), ("tp", 2, dict()), ("2d", 4, dict(tp=2, dp=2, sequence_parallel=True))])
+def test_tp_and_2d_resume_with_dropout_is_bit_identical(corpus, shared_tmp, script, world_size, extra):
+    """Every generator a rank draws dropout from (the default one and the tensor-parallel stream) is in the
+    checkpoint: a run resumed at step 3 equals the uninterrupted one bit for bit."""
+    main = {"tp": train_tp.main, "2d": train_2d.main}[script]
+    argv = flags(corpus, "unused", dropout=0.1, **extra)
+    run_distributed(world_size, _resumed_with_dropout, main, shared_tmp, argv)
+    run, reference = read_run(str(shared_tmp / "interrupted")), read_run(str(shared_tmp / "straight"))
+    assert run.losses == reference.losses and run.grad_norms == reference.grad_norms
+    for name in reference.weights:
+        assert np.array_equal(run.weights[name], reference.weights[name]), name
+
+
 def _replicated_after_training(argv):
     models = []
     parallelize = train_tp.parallelize
@@ -1298,7 +1448,7 @@ def _generate(sequence_parallel):
     config = gpt.make_config("tiny", vocab_size=256, block_size=16)
     model = _tensor_parallel_model(config, 3, sequence_parallel).eval()
     prompt = torch.tensor([[10, 20, 30]])  # 3 tokens: not a multiple of tp, as every other length on the way
-    return gpt.generate(model, prompt, 12, config.block_size, seed=1).numpy()
+    return gpt.generate(model, prompt, 12, config.block_size, config.vocab_size, seed=1).numpy()
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -1307,7 +1457,7 @@ def test_tp_generate_matches_single(sequence_parallel):
     config = gpt.make_config("tiny", vocab_size=256, block_size=16)
     model = gpt.GPT(config).eval()
     model.init_weights(seed=3)
-    expected = gpt.generate(model, torch.tensor([[10, 20, 30]]), 12, config.block_size, seed=1).numpy()
+    expected = gpt.generate(model, torch.tensor([[10, 20, 30]]), 12, config.block_size, 256, seed=1).numpy()
     for tokens in run_distributed(2, _generate, sequence_parallel):
         np.testing.assert_array_equal(tokens, expected)
 

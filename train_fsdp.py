@@ -26,8 +26,9 @@ import training
 
 class FlatParameter:
     """One unit's parameters of one kind (decayed, not decayed, frozen) end to end in one buffer, padded to a
-    multiple of the group size; this rank keeps 1/N of it as `shard`, the float32 master weights. While gathered,
-    `full` is the whole buffer in the compute dtype and each original parameter a plain attribute viewing it:
+    multiple of the group size; this rank keeps 1/N of it as `shard`, the float32 master weights, and each original
+    parameter stays registered under its name as this rank's piece of it (a view into the shard, maybe empty). While
+    gathered, an attribute of the same name shadows it with a view of `full`, the whole buffer in the compute dtype:
     module code runs unchanged, and autograd sums the views' gradients (a tied one's too) into that of `full`."""
 
     def __init__(self, entries, wrapper, device, initial_value):
@@ -35,23 +36,26 @@ class FlatParameter:
         self.wrapper, self.group, self.dtype = wrapper, wrapper.group, wrapper.compute_dtype
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.shapes, self.sizes = [p.shape for p in params], [p.numel() for p in params]
-        self.decay = all(p.dim() >= 2 for p in params)
-        self.shard_size = -(-sum(self.sizes) // self.world)
+        self.shard_size, self.decay = -(-sum(self.sizes) // self.world), params[0].dim() >= 2  # one kind a buffer
         self.padding = self.shard_size * self.world - sum(self.sizes)
-        shard = torch.zeros(self.shard_size, device=device)  # the padding stays zero: no gradient, no decay
-        for index, begin, end, start in self.local_pieces():  # one original parameter at a time, never a unit
-            shard[start:start + end - begin] = initial_value(self.names[index], params[index]).reshape(-1)[begin:end]
-        self.shard = nn.Parameter(shard, requires_grad=params[0].requires_grad)
-        self.full = self.work = None
-
-    def local_pieces(self):
-        """(index of an original parameter, the flat range [begin, end) of it held here, its start in the shard)."""
-        first, offset = self.rank * self.shard_size, 0
+        first, offset, self.pieces = self.rank * self.shard_size, 0, []  # (parameter, its [begin, end), start here)
         for index, size in enumerate(self.sizes):
             begin, end = max(offset, first) - offset, min(offset + size, first + self.shard_size) - offset
             if begin < end:
-                yield index, begin, end, offset + begin - first
+                self.pieces.append((index, begin, end, offset + begin - first))
             offset += size
+        shard = torch.zeros(self.shard_size, device=device)  # the padding stays zero: no gradient, no decay
+        self.spans = [slice(0, 0)] * len(params)  # where each original parameter's piece sits in the shard
+        for index, begin, end, start in self.pieces:  # one original parameter at a time, never a unit
+            self.spans[index] = slice(start, start + end - begin)
+            shard[self.spans[index]] = initial_value(self.names[index], params[index]).reshape(-1)[begin:end]
+        self.shard = nn.Parameter(shard, requires_grad=params[0].requires_grad)
+        self.locals = [nn.Parameter(self.shard.detach()[span], requires_grad=self.shard.requires_grad)
+                       for span in self.spans]
+        for local, uses in zip(self.locals, self.uses):
+            for module, attribute in uses:
+                module._parameters[attribute] = local
+        self.full = self.work = None
 
     def gather(self, wait=True):
         """Start the all-gather of `full` if needed (cast first: bf16 moves half the bytes), then wait for it."""
@@ -65,18 +69,17 @@ class FlatParameter:
             self.wrapper.gathered[self.full.untyped_storage().data_ptr()] = self
 
     def use_views(self):
-        full = self.full
-        if torch.is_grad_enabled() and self.shard.requires_grad:
-            full = Unshard.apply(self.shard, full, self)
+        grad = torch.is_grad_enabled() and self.shard.requires_grad
+        full = Unshard.apply(self.shard, self.full, self) if grad else self.full
         for view, shape, uses in zip(full.split(self.sizes + [self.padding]), self.shapes, self.uses):
             for module, attribute in uses:
-                setattr(module, attribute, view.view(shape))
+                module.__dict__[attribute] = view.view(shape)
 
     def free(self):
         if self.work is not None:  # a prefetch nobody used: let it land, then drop it
             self.gather()
         for module, attribute in (use for uses in self.uses for use in uses):
-            module.__dict__.pop(attribute, None)  # a use while sharded fails loudly instead of running without it
+            module.__dict__.pop(attribute, None)  # the registered local piece shows again
         if self.full is not None:
             del self.wrapper.gathered[self.full.untyped_storage().data_ptr()]
             self.full = None
@@ -110,7 +113,7 @@ class FullyShardedDataParallel(nn.Module):
                  reshard_after_forward=True, initial_value=None, tp_parts=None):
         super().__init__()
         self.module, self.group, self.compute_dtype = module, process_group or dist.group.WORLD, compute_dtype
-        self.reshard_after_forward, self.tp_parts = reshard_after_forward, tp_parts or {}
+        self.reshard_after_forward, self.tp_parts, self.order = reshard_after_forward, tp_parts or {}, []
         unit_modules = [module] + list(getattr(module, "blocks", []) if units is None else units)
         owner = {sub: index for index, unit in enumerate(unit_modules) for sub in unit.modules()}  # innermost wins
         params = {}
@@ -121,7 +124,6 @@ class FullyShardedDataParallel(nn.Module):
                     if param.is_meta and initial_value is None:
                         raise ValueError(f"parameter {name} is on meta: pass initial_value to say what it starts as")
                     params.setdefault(param, (name, param, []))[2].append((sub, attribute))
-                    del sub._parameters[attribute]  # from now on a plain attribute, present while gathered
         kinds = [{} for _ in unit_modules]
         for entry in params.values():
             holders = {owner[sub] for sub, _ in entry[2]}
@@ -136,12 +138,15 @@ class FullyShardedDataParallel(nn.Module):
         for index, unit in enumerate(unit_modules):
             unit.register_forward_pre_hook(partial(self._before_forward, index))
             unit.register_forward_hook(partial(self._after_forward, index))
-        self.order = []  # units in the order their forward first ran: prefetch follows it
         self.in_flight = None  # the latest reduce-scatter, finished when the next one starts
-        self.backward_callback_queued = False
+        self.backward_callback_queued = False  # self.order: units in the order their forward first ran, to prefetch
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """The shards, which the optimizer steps; the wrapped module's own names list this rank's pieces of them."""
+        return self.shards.named_parameters(f"{prefix}.shards".lstrip("."), recurse, remove_duplicate)
 
     def gather(self, index, direction):
         """Make unit `index` available, first starting the gather of the unit that runs next in this direction
@@ -161,6 +166,8 @@ class FullyShardedDataParallel(nn.Module):
             # then; saved as a reference instead, they are read from the buffer gathered again for backward.
             self.saved_tensor_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self.saved_tensor_hooks.__enter__()
+            for local in (local for flat in self.flats for local in flat.locals):  # the last step's gradient:
+                local.grad = None  # views of it would keep it alive through this step
         self.gather(index, +1)
         for flat in self.units[index]:
             flat.use_views()
@@ -216,6 +223,8 @@ class FullyShardedDataParallel(nn.Module):
             flat, piece, _, work = self.in_flight
             work.wait()
             flat.shard.grad = piece if flat.shard.grad is None else flat.shard.grad.add_(piece)  # micro-steps add up
+            for local, span in zip(flat.locals, flat.spans):
+                local.grad = flat.shard.grad[span]
             self.in_flight = None
 
     def parameter_groups(self):
@@ -232,7 +241,7 @@ class FullyShardedDataParallel(nn.Module):
         """A training.Part for each piece of an original parameter in this rank's shards: the checkpoint layout."""
         parts = []
         for flat in self.flats:
-            for index, begin, end, start in flat.local_pieces():
+            for index, begin, end, start in flat.pieces:
                 name = flat.names[index]
                 whole = self.tp_parts.get(name) or training.whole_part(name, flat.shard, flat.shapes[index])
                 parts.append(training.Part(name, whole.shape, whole.box, (begin, end), flat.shard, start))

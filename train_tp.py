@@ -8,6 +8,7 @@ Megatron tensor parallelism by hand: every rank holds a slice of every matrix an
 Reads top to bottom: arguments -> process groups -> model -> strategy -> loop -> checkpoint.
 """
 
+import math
 import time
 from contextlib import nullcontext
 
@@ -158,9 +159,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     then sum of exponentials and target logit) replace an all-gather of [tokens, vocab]; backward sends nothing."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group):
+    def forward(ctx, logits, targets, group, vocab_size):
         logits, vocab = logits.float(), logits.shape[-1]
         start = dist.get_rank(group) * vocab
+        if start + vocab > vocab_size:  # this slice holds padding classes: no tokens, no probability, no gradient
+            padding = torch.arange(start, start + vocab, device=logits.device) >= vocab_size
+            logits = logits.masked_fill(padding, -math.inf)
         logits_max = logits.max(dim=-1).values
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         logits = logits - logits_max.unsqueeze(-1)  # every exponent <= 0: no overflow at any logit size
@@ -178,7 +182,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_targets, outside = ctx.saved_tensors
         grad = softmax.scatter_add(-1, local_targets.unsqueeze(-1), -(~outside).to(softmax.dtype).unsqueeze(-1))
-        return grad * grad_loss.unsqueeze(-1), None, None  # autograd casts it back to the logits' dtype
+        return grad * grad_loss.unsqueeze(-1), None, None, None  # autograd casts it back to the logits' dtype
 
 
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropout_seed=0):
@@ -191,7 +195,8 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
         model.wpe.register_forward_pre_hook(lambda module, args: (_split(args[0], group, 0),))
     gather = lambda logits: gather_from_tensor_parallel_region(logits, group)  # noqa: E731
     if loss_parallel:
-        model.loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(logits, targets, group).mean()
+        model.loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(
+            logits, targets, group, model.config.vocab_size).mean()
     else:  # Megatron's parallel_output=False: every rank gathers the whole [tokens, vocab] logits
         model.lm_head.register_forward_hook(lambda module, args, logits: gather(logits))
     regions, rng = [model.lm_head], training.RNGStream("tensor_parallel", dropout_seed)
@@ -201,9 +206,13 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
         attn.proj = RowParallelLinear(attn.proj, group, sequence_parallel)
         mlp.fc, mlp.proj = ColumnParallelLinear(mlp.fc, group), RowParallelLinear(mlp.proj, group, sequence_parallel)
         regions += [attn, mlp]
-        if model.config.dropout:
+        if model.config.dropout:  # this rank's own heads draw from its own stream, from attention to the projection
             attn.register_forward_pre_hook(rng.swap)
             attn.proj.register_forward_pre_hook(rng.swap)
+    if model.config.dropout and sequence_parallel:  # and so does the residual stream: it is this rank's own shard
+        for dropout in [model.drop] + [d for b in model.blocks for d in (b.attn.resid_dropout, b.mlp.dropout)]:
+            dropout.register_forward_pre_hook(rng.swap)
+            dropout.register_forward_hook(rng.swap)
     for module in regions:  # f once where each tensor-parallel region starts: q, k and v share one
         module.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel),))
     tp = dist.get_world_size(group)

@@ -318,7 +318,7 @@ def sample(model, meta, args, device, autocast, show):
     tokenizer = get_tokenizer(meta["tokenizer"])
     prompt = torch.tensor([tokenizer.encode("\n")], device=device)
     with autocast:
-        out = gpt.generate(model, prompt, args.sample_tokens, args.block_size, seed=args.seed)
+        out = gpt.generate(model, prompt, args.sample_tokens, args.block_size, meta["vocab_size"], seed=args.seed)
     if show:
         print("sample:\n" + tokenizer.decode(out[0].tolist()))
 
