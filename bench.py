@@ -4,6 +4,7 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py                                  # every strategy whose script exists, tiny model, CPU
     python bench.py --strategies ddp,fsdp --steps 30 --rounds 3
     python bench.py --model gpt2 --block_size 1024 --global_batch 32 --device cuda --dtype bfloat16 --compile
+    python bench.py --gpu_check --device cuda --steps 20       # one command that checks a GPU machine
 
 Each run is a fresh `torchrun --standalone` of the training script for --steps optimizer steps. Runs are
 interleaved (round 1: ours, torch, ...; round 2: ours, torch, ...) so that drift of the machine hits both sides
@@ -45,14 +46,29 @@ def payload_bytes(event):
     return total
 
 
+def collective_kind(name):
+    """The kind of collective a profiler record names, whatever the backend calls it: gloo's `gloo:all_reduce`,
+    NCCL's `nccl:_allgather_base` or `nccl:reduce_scatter_tensor_coalesced`, a barrier run as an all-reduce. A name
+    it cannot classify is an error: counted blindly, its bytes would be wrong without a word."""
+    op = name.split(":", 1)[-1].lower().strip("_").replace("allreduce", "all_reduce").replace("allgather", "all_gather")
+    op = re.sub(r"(_base|_coalesced|_into_tensor|_tensor|_single)+$", "", op)
+    if op.endswith("barrier"):
+        return "barrier"
+    if op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv", "reduce",
+              "gather", "scatter"):
+        return op
+    raise ValueError(f"profiler record {name!r} is a collective bench.py cannot classify: add it to collective_kind")
+
+
 def wire_bytes(kind, payload, n):
     """Bytes one rank sends in a ring implementation: all-reduce 2(N-1)/N of the tensor, all-gather (N-1)x its
-    input shard, reduce-scatter (N-1)/N of its input, broadcast the tensor."""
-    if n == 1:
+    input shard, reduce-scatter and all-to-all (N-1)/N of their input, broadcast, reduce and point-to-point the
+    tensor, a barrier nothing worth counting."""
+    if n == 1 or kind == "barrier":
         return 0
-    return {"all_reduce": 2 * (n - 1) / n * payload, "allreduce": 2 * (n - 1) / n * payload,
-            "all_gather": (n - 1) * payload, "allgather": (n - 1) * payload,
-            "reduce_scatter": (n - 1) / n * payload}.get(kind, payload)
+    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "reduce_scatter": (n - 1) / n,
+               "all_to_all": (n - 1) / n}
+    return factors.get(kind, 1) * payload
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -87,7 +103,7 @@ def worker(script, argv, profile_step, out_path):
         with open(trace) as f:
             events = json.load(f)["traceEvents"]
         os.remove(trace)
-        collectives = [{"kind": e["name"].split(":", 1)[1], "bytes": payload_bytes(e)} for e in events
+        collectives = [{"kind": collective_kind(e["name"]), "bytes": payload_bytes(e)} for e in events
                        if e.get("name", "").startswith(("gloo:", "nccl:"))]
         with open(out_path, "w") as f:
             json.dump(collectives, f)
@@ -153,6 +169,91 @@ def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, t
             "collectives": len(collectives)}
 
 
+def synthetic_data(folder, vocab_size, num_tokens=2_000_000, seed=0):
+    """Uniform random token ids of any vocabulary (GPT-2's 50257, say) as a prepared data folder, made offline in a
+    second: throughput and memory depend on the vocabulary's size, not on what the tokens say."""
+    import numpy as np
+
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", num_tokens), ("val", num_tokens // 10)):
+        rng.integers(0, vocab_size, size=count, dtype=np.uint16).tofile(os.path.join(folder, f"{split}.bin"))
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump({"tokenizer": "gpt2", "vocab_size": vocab_size, "source": "synthetic"}, f)
+    return folder
+
+
+def launch(script, flags, out_dir, ranks=1, threads=1):
+    """torchrun of one script; returns its metrics.jsonl records, or None if it failed (an out-of-memory, say)."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               script] + flags + ["--out_dir", out_dir]
+    result = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS=str(threads)), cwd=HERE,
+                            capture_output=True, text=True)
+    if result.returncode:
+        print("\n".join(result.stderr.splitlines()[-5:]), file=sys.stderr)
+        return None
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+GPU_CHECK_TOLERANCE = 2e-2  # bf16 autocast against float32: measured ~1e-3 relative on the tiny model's losses
+
+
+def gpu_check(args, tmp):
+    """--gpu_check: does this machine's GPU path compute what float32 computes, and how fast? Every script at world
+    size 1 (NCCL on CUDA) in bf16 with --compile and flash attention where installed, for --steps steps, against
+    train_single.py in float32 without TF32 on the same device; then GPT-2 124M on nanoGPT's shape (block 1024,
+    the largest micro-batch that fits) in bf16 + compile for tokens/s and MFU. With several GPUs, run the usual
+    table after it for ours against torch. On CPU (the test suite's dry run) the same steps run small, eager and in
+    --dtype (bf16 matmuls are 50-140x slower than float32 on CPU)."""
+    cuda = args.device == "cuda"
+    common = ["--model", args.model, "--data", args.data, "--block_size", str(args.block_size), "--global_batch",
+              str(args.global_batch), "--max_steps", str(args.steps), "--warmup_steps", "5", "--eval_interval", "0",
+              "--log_interval", "1", "--ckpt_interval", "0", "--sample_tokens", "0", "--device", args.device]
+    flash = cuda and importlib.util.find_spec("flash_attn") is not None
+    fast = ["--dtype", "bfloat16" if cuda else args.dtype] + ["--compile"] * cuda + ["--attn", "flash"] * flash
+    reference = launch("train_single.py", common + ["--dtype", "float32"], os.path.join(tmp, "reference"))
+    if reference is None:
+        raise SystemExit("train_single.py in float32 failed: see above")
+    rows = []
+    for script, extra in [("train_single.py", []), ("train_ddp.py", []), ("train_fsdp.py", []),
+                          ("train_tp.py", ["--tp", "1"]), ("train_tp.py", ["--tp", "1", "--sequence_parallel"]),
+                          ("train_2d.py", ["--tp", "1", "--dp", "1"])]:
+        records = launch(script, common + fast + extra, os.path.join(tmp, "check"))
+        difference = None if records is None else max(abs(r["loss"] - e["loss"]) / e["loss"]
+                                                       for r, e in zip(records, reference))
+        rows.append({"script": " ".join([script] + extra), "loss": records and records[-1]["loss"],
+                     "max_relative_loss_difference": difference,
+                     "ok": difference is not None and difference < GPU_CHECK_TOLERANCE})
+    data = synthetic_data(os.path.join(tmp, "gpt2-vocab"), 50257)
+    model, block = ("gpt2", 1024) if cuda else (args.model, args.block_size)
+    throughput = None
+    for micro_batch in ([64, 32, 16, 8, 4] if cuda else [2]):
+        flags = ["--model", model, "--data", data, "--block_size", str(block), "--global_batch", str(micro_batch),
+                 "--max_steps", str(args.steps), "--warmup_steps", "5", "--eval_interval", "0", "--log_interval",
+                 "1", "--ckpt_interval", "0", "--sample_tokens", "0", "--device", args.device] + fast
+        records = launch("train_single.py", flags, os.path.join(tmp, "throughput"))
+        if records:
+            timed = records[len(records) // 2:]  # after compile and warm-up
+            throughput = {"model": model, "block_size": block, "micro_batch": micro_batch,
+                          "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+                          "mfu": statistics.median(r["mfu"] for r in timed) if timed[0]["mfu"] is not None else None}
+            break
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"\ngpu check on {name}: {fast[1]}{' + compile' * cuda}{' + flash' * flash} against float32 train_single.py "
+          f"(no TF32), {args.model}, block {args.block_size}, {args.steps} steps")
+    for row in rows:
+        difference = row["max_relative_loss_difference"]
+        print(f"{row['script']:45} {'ok' if row['ok'] else 'FAILED':6} " +
+              (f"max relative loss difference {difference:.1e}" if difference is not None else "did not run"))
+    if throughput:
+        mfu = "n/a" if throughput["mfu"] is None else f"{100 * throughput['mfu']:.1f}%"
+        print(f"{model}, block {block}, micro-batch {throughput['micro_batch']}: {throughput['tokens_per_s']:,.0f} "
+              f"tokens/s, MFU {mfu}")
+    return {"rows": rows, "throughput": throughput, "device": name}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategies", default="single,ddp,fsdp,tp,2d")
@@ -169,6 +270,7 @@ def main():
     p.add_argument("--compile", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (and for the single baseline)")
     p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--gpu_check", action="store_true", help="check this machine's GPU path and speed (see gpu_check)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--profile_step", type=int, help=argparse.SUPPRESS)
     p.add_argument("--comms_out", help=argparse.SUPPRESS)
@@ -176,6 +278,16 @@ def main():
     if args.worker:
         return worker(args.worker, rest[1:] if rest[:1] == ["--"] else rest, args.profile_step, args.comms_out)
 
+    if args.gpu_check:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = gpu_check(args, tmp)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        if not all(row["ok"] for row in result["rows"]):
+            raise SystemExit("gpu check failed: see the table above")
+        if not (args.device == "cuda" and torch.cuda.device_count() > 1):
+            return
     table = strategies(args)
     chosen = [s for s in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[s][0]))]
     runs = {}

@@ -15,6 +15,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import socket
@@ -363,6 +364,83 @@ def test_meta_init_equals_direct_init():
     assert not torch.equal(other_seed.wte.weight, direct.wte.weight)
 
 
+def test_tf32_only_when_asked():
+    """TF32 changes float32 matmuls by ~1e-3: get_device leaves it off unless --tf32, whatever was set before."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        training.get_device(training.get_parser("").parse_args(["--device", "cpu"]))
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        training.get_device(training.get_parser("").parse_args(["--device", "cpu", "--tf32"]))
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+
+def _advertised_commands():
+    """Every command line of the README and of the scripts' docstrings that launches a training script."""
+    texts = [open(os.path.join(HERE, name)).read() for name in
+             ("README.md", "train_single.py", "train_ddp.py", "train_fsdp.py", "train_tp.py", "train_2d.py")]
+    lines = "\n".join(texts).replace("\\\n", " ").splitlines()
+    return [line.split("#")[0] for line in lines if re.search(r"(torchrun|python) .*train_\w+\.py", line)]
+
+
+def test_every_advertised_configuration_passes_the_layout_checks():
+    """A README or --help example that names a preset and a layout must pass the checks it would meet at launch
+    (heads, padded vocabulary and MLP width divisible by --tp, --tp x --dp = ranks)."""
+    commands = _advertised_commands()
+    assert len(commands) >= 10
+    for command in commands:
+        option = lambda flag, default: (re.findall(rf"{flag}[= ](\S+)", command) or [default])[-1]  # noqa: E731
+        script = re.search(r"train_(\w+)\.py", command).group(1)
+        nodes = option("--nnodes", "1")  # a number, or a scheduler's variable ($SLURM_JOB_NUM_NODES)
+        ranks = int(option("--nproc_per_node", 1)) * (int(nodes) if nodes.isdigit() else 1)
+        model = option("--model", "tiny")
+        config = gpt.make_config(model, 256 if model == "tiny" else 50257, int(option("--block_size", 128)))
+        tp = {"tp": int(option("--tp", ranks)), "2d": int(option("--tp", 2))}.get(script, 1)
+        training.check_tensor_parallel(config, tp, "--sequence_parallel" in command)
+        if script == "2d":
+            assert tp * int(option("--dp", ranks // tp)) == ranks, command
+    readme = open(os.path.join(HERE, "README.md")).read().replace("\n", " ")
+    for preset, script, options in re.findall(r"`(tiny|gpt2[\w-]*)`[^`]*?`train_(\w+)\.py([^`]*)`", readme):
+        tp = int((re.findall(r"--tp[= ](\d+)", options) or [2 if script == "2d" else 1])[-1])  # prose: "X with `...`"
+        training.check_tensor_parallel(gpt.make_config(preset, 50257, 1024), tp, False)
+
+
+def _presets_on_meta():
+    """Every preset's tensor-parallel model built on meta over 2, 4 and 8 ranks, where its heads allow it."""
+    built = []
+    for tp in (2, 4, 8):
+        group = dist.new_group(list(range(tp)))  # collective: every rank creates every group
+        if dist.get_rank() >= tp:
+            continue
+        for preset in gpt.PRESETS:
+            config = gpt.make_config(preset, 50257, 1024)
+            try:
+                training.check_tensor_parallel(config, tp, True)
+            except ValueError:
+                continue
+            with torch.device("meta"):
+                model = gpt.GPT(config)
+            train_tp.parallelize(model, group, sequence_parallel=True)
+            parts = training.parameter_parts(model)
+            local = sum(part.tensor.numel() for part in parts if part.sliced)
+            whole = sum(math.prod(part.shape) for part in parts if part.sliced)
+            assert local * tp == whole, (preset, tp)
+            built.append((preset, tp))
+    return built
+
+
+def test_every_preset_builds_at_every_tensor_parallel_degree():
+    """On meta, in seconds: every preset at --tp 2, 4 and 8 where n_head allows it. GPT-2's head counts (4, 12, 16,
+    20, 25) leave --tp 8 to gpt2-medium alone and no degree of 2, 4, 8 to gpt2-xl (the README says so); the layout
+    check names the flag to change."""
+    built = run_distributed(8, _presets_on_meta)[0]
+    assert {tp: {preset for preset, degree in built if degree == tp} for tp in (2, 4, 8)} == {
+        2: set(gpt.PRESETS) - {"gpt2-xl"}, 4: set(gpt.PRESETS) - {"gpt2-xl"}, 8: {"gpt2-medium"}}
+    with pytest.raises(ValueError, match="n_head \\(25\\) is not divisible by --tp 2"):
+        training.check_tensor_parallel(gpt.make_config("gpt2-xl", 50257, 1024), 2, False)
+
+
 def test_flops_and_mfu_need_a_known_device():
     config = gpt.make_config("gpt2", vocab_size=50257, block_size=1024)
     n = 124_475_904 - 1024 * 768  # GPT-2 small with padded vocab, without position embeddings
@@ -697,12 +775,12 @@ def _train_recording_communication(argv):
 _communication = {}
 
 
-def recorded_communication(corpus, tmp_path_factory):
+def recorded_communication(corpus, tmp_path_factory, compile=False):
     """Rank 0's events of a 2-rank run with 0.25 MiB buckets (several buckets for the tiny model's 3.4 MB)."""
-    if not _communication:
-        argv = flags(corpus, shared_folder(tmp_path_factory, "ddp_events"), bucket_mb=0.25)
-        _communication["rank 0"] = run_distributed(2, _train_recording_communication, argv)[0]
-    return _communication["rank 0"]
+    if compile not in _communication:
+        argv = flags(corpus, shared_folder(tmp_path_factory, "ddp_events"), bucket_mb=0.25, compile=compile)
+        _communication[compile] = run_distributed(2, _train_recording_communication, argv)[0]
+    return _communication[compile]
 
 
 def split_into_micro_steps(events):
@@ -716,19 +794,25 @@ def split_into_micro_steps(events):
     return micro_steps
 
 
-def test_ddp_all_reduce_overlaps_backward(corpus, tmp_path_factory):
+@pytest.mark.parametrize("compile", [False, True])
+def test_ddp_all_reduce_overlaps_backward(corpus, tmp_path_factory, compile):
     """In every step's last micro-step, the first bucket's all-reduce is launched asynchronously before
-    backward has accumulated the gradients of the other buckets, and nothing waits for one before backward ends."""
-    events, bucket_names = recorded_communication(corpus, tmp_path_factory)
+    backward has accumulated the gradients of the other buckets, and nothing waits for one before backward ends;
+    under --compile too (each block compiled apart: a model compiled whole fires every gradient hook at the end)."""
+    events, bucket_names = recorded_communication(corpus, tmp_path_factory, compile)
     assert len(bucket_names) >= 4
     accumulation = 16 // (2 * 2)
+    # Compiled, a block's backward is one autograd node: the first bucket (ln_f and the last block's first
+    # parameters) waits for the whole last block's backward; every earlier block's gradients still come after.
+    others = {name for names in bucket_names[1:] for name in names}
+    expected = {name for name in others if not (compile and name.startswith("blocks.3."))}
     for step, micro_step, happened in split_into_micro_steps(events):
         if micro_step + 1 < accumulation:
             continue
         first_launch = happened.index(("all_reduce", 0, True))
         later_grads = [e[1] for e in happened[first_launch:] if e[0] == "grad" and e[1] not in bucket_names[0]]
         assert later_grads, f"step {step}: every gradient was ready before the first all-reduce started"
-        assert set(later_grads) == {name for names in bucket_names[1:] for name in names}
+        assert expected <= set(later_grads) <= others
         last_grad = max(i for i, e in enumerate(happened) if e[0] == "grad")
         first_wait = min(i for i, e in enumerate(happened) if e[0] == "wait")
         assert first_wait > last_grad, f"step {step}: waited for an all-reduce during backward"
@@ -868,6 +952,38 @@ def test_bench_measures_what_ddp_sends(corpus, tmp_path):
     for impl in ("ours", "torch"):
         assert rows["ddp", impl]["comm_bytes"] == pytest.approx(2 * (2 - 1) / 2 * gradient_bytes, abs=64)
         assert rows["ddp", impl]["tokens_per_s"] > 0
+
+
+def test_bench_classifies_collectives_of_both_backends():
+    """Profiler record names differ by backend (and by torch version); each maps to its kind, and a name the bench
+    does not know fails loudly instead of being counted as some other collective's bytes."""
+    import bench
+
+    names = {"gloo:all_reduce": "all_reduce", "gloo:all_gather": "all_gather", "gloo:_allgather_base": "all_gather",
+             "gloo:reduce_scatter": "reduce_scatter", "gloo:_reduce_scatter_base": "reduce_scatter",
+             "gloo:broadcast": "broadcast", "gloo:barrier": "barrier", "nccl:all_reduce": "all_reduce",
+             "nccl:_allgather_base": "all_gather", "nccl:all_gather_into_tensor_coalesced": "all_gather",
+             "nccl:_reduce_scatter_base": "reduce_scatter", "nccl:reduce_scatter_tensor_coalesced": "reduce_scatter",
+             "nccl:allreduce_coalesced": "all_reduce", "nccl:all_reduce_barrier": "barrier",
+             "nccl:broadcast": "broadcast", "nccl:all_to_all": "all_to_all", "nccl:send": "send"}
+    assert {name: bench.collective_kind(name) for name in names} == names
+    with pytest.raises(ValueError, match="cannot classify"):
+        bench.collective_kind("nccl:all_permute")
+    assert bench.wire_bytes("all_reduce", 100, 4) == 150 and bench.wire_bytes("all_gather", 100, 4) == 300
+    assert bench.wire_bytes("reduce_scatter", 100, 4) == 75 and bench.wire_bytes("barrier", 4, 4) == 0
+
+
+@launches_its_own_ranks
+def test_gpu_check_dry_run_on_cpu(corpus, tmp_path):
+    """python bench.py --gpu_check, the one command for a GPU machine, runs on CPU small, eager and in float32: every
+    script at world size 1 against train_single.py, then the throughput run on GPT-2's vocabulary."""
+    result_path = tmp_path / "check.json"
+    subprocess.run([sys.executable, "bench.py", "--gpu_check", "--device", "cpu", "--steps", "2", "--block_size", "32",
+                    "--global_batch", "4", "--data", corpus, "--json", str(result_path)],
+                   cwd=HERE, check=True, capture_output=True, timeout=600)
+    result = json.loads(result_path.read_text())
+    assert len(result["rows"]) == 6 and all(row["ok"] for row in result["rows"]), result["rows"]
+    assert result["throughput"]["tokens_per_s"] > 0 and result["throughput"]["mfu"] is None  # no peak FLOP/s on CPU
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1056,9 +1172,11 @@ def test_fsdp_wraps_any_module_with_frozen_parameters():
             np.testing.assert_allclose(full[name], expected, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-def _prefetch_order():
+def _prefetch_order(compile):
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     model, fsdp, _ = _build(config)
+    if compile:
+        training.compile_blocks(model)
     events = []
     unit_of = {flat.shard.data_ptr(): index for index, unit in enumerate(fsdp.units) for flat in unit}
     real_gather, real_reduce_scatter = training.all_gather_single, fsdp.reduce_scatter
@@ -1085,11 +1203,12 @@ def _prefetch_order():
     return events, len(fsdp.units)
 
 
-def test_fsdp_prefetches_one_unit_ahead():
+@pytest.mark.parametrize("compile", [False, True])
+def test_fsdp_prefetches_one_unit_ahead(compile):
     """Forward: block i+1's all-gather is issued after block i starts and before it ends, block i+2's only
     after it ends. Backward: block i-1's all-gather is issued before block i's reduce-scatter (the end of
-    its backward), and after block i+1's."""
-    events, units = run_distributed(2, _prefetch_order)[0]
+    its backward), and after block i+1's. Under --compile too: the units' hooks run between compiled blocks."""
+    events, units = run_distributed(2, _prefetch_order, compile)[0]
     position = {event: events.index(event) for event in reversed(events)}  # first occurrence
     last = {event: len(events) - 1 - events[::-1].index(event) for event in events}
     for block in range(1, units - 1):
@@ -1542,6 +1661,41 @@ LAYOUTS = {  # script, ranks, extra flags
     "2d": (train_2d.main, 4, dict(tp=2, dp=2)),
 }
 SAVED_AT = 3
+
+# --compile: inductor fuses elementwise kernels and may reorder a float32 reduction; measured against eager
+# train_single over 6 steps: losses within ~1e-6 relative, weights within ~1e-5 absolute.
+COMPILE_TOLERANCE, COMPILE_WEIGHT_TOLERANCE = 2e-5, 1e-4
+
+
+# bf16 autocast: every layout against train_single.py in bf16. Both round every matmul's inputs to 8 bits of
+# mantissa, but sum in other orders; measured over 3 steps: losses within 3e-6 (DDP), 2e-5 (TP), 1.4e-4 (2-D).
+BF16_TOLERANCE = 2e-3
+
+
+@pytest.mark.parametrize("layout, sequence_parallel", [("ddp", False), ("tp", False), ("tp", True), ("2d", False),
+                                                       ("2d", True)])
+def test_bfloat16_every_layout_close_to_single(corpus, shared_tmp, tmp_path_factory, layout, sequence_parallel):
+    main, ranks, extra = LAYOUTS[layout]
+    extra = dict(extra, sequence_parallel=sequence_parallel)
+    run_distributed(ranks, main, flags(corpus, shared_tmp, dtype="bfloat16", max_steps=3, **extra))
+    losses = read_run(str(shared_tmp)).losses
+    reference = single_run(corpus, tmp_path_factory, dtype="bfloat16", max_steps=3).losses
+    error = max(abs(a - b) / b for a, b in zip(losses, reference))
+    print(f"{layout} bf16 vs single bf16: max relative loss difference {error:.1e}")
+    assert len(losses) == 3 and error < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("layout, impl", [("single", None), ("ddp", "ours"), ("ddp", "torch"), ("fsdp", "ours"),
+                                          ("fsdp", "torch"), ("tp", "ours"), ("tp", "torch"), ("2d", "ours"),
+                                          ("2d", "torch")])
+def test_compile_matches_eager_single(corpus, shared_tmp, tmp_path_factory, layout, impl):
+    """--compile (each transformer block compiled by inductor, the strategy's hooks between them) in every script,
+    ours and PyTorch's: the same losses, grad norms and weights as eager train_single.py. Inductor caches compiled
+    kernels on disk, so the runs after the first compile little."""
+    main, ranks, extra = LAYOUTS[layout]
+    run_distributed(ranks, main, flags(corpus, shared_tmp, compile=True, impl=impl, **extra))
+    assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory), COMPILE_TOLERANCE,
+                      COMPILE_WEIGHT_TOLERANCE)
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def main(argv=None):
         raise ValueError(f"--tp {tp} x --dp {dp} = {tp * dp} ranks, but the world has {world_size}: "
                          f"choose --tp and --dp whose product is {world_size}")
     dp_rank, dp_size = rank // tp, dp
-    device = training.get_device(args.device, local_rank)
+    device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
@@ -90,7 +90,7 @@ def main(argv=None):
         groups, parts = model.parameter_groups(), model.parts()
         clip_grad_norm = lambda limit: train_tp.clip_grad_norm_(parts, limit, tp_group)  # noqa: E731
     optimizer = training.make_optimizer(groups, args, device)
-    forward = torch.compile(model) if args.compile else model
+    forward = training.compile_blocks(model) if args.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)

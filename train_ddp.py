@@ -139,7 +139,7 @@ def main(argv=None):
     # ---- process groups: every rank is one data-parallel rank holding the whole model
     rank, local_rank, world_size = training.launched_rank()
     dp_rank, dp_size = rank, world_size
-    device = training.get_device(args.device, local_rank)
+    device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
@@ -162,7 +162,7 @@ def main(argv=None):
         ddp_model = DataParallel(model, args.bucket_mb)
     parts = training.parameter_parts(model)
     optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, device)
-    forward = torch.compile(ddp_model) if args.compile else ddp_model
+    forward = training.compile_blocks(ddp_model) if args.compile else ddp_model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)

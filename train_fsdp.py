@@ -261,7 +261,7 @@ def main(argv=None):
     # ---- process groups: every rank is one data-parallel rank holding 1/world of the model
     rank, local_rank, world_size = training.launched_rank()
     dp_rank, dp_size = rank, world_size
-    device = training.get_device(args.device, local_rank)
+    device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
@@ -288,7 +288,7 @@ def main(argv=None):
                                          initial_value=None if args.no_deferred_init else initial_value)
         groups, clip_grad_norm, parts = model.parameter_groups(), model.clip_grad_norm_, model.parts()
     optimizer = training.make_optimizer(groups, args, device)
-    forward = torch.compile(model) if args.compile else model
+    forward = training.compile_blocks(model) if args.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)

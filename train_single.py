@@ -23,7 +23,7 @@ def main(argv=None):
 
     # ---- process groups: one process, one device; the data-parallel coordinates of the only rank
     rank, world_size, dp_rank, dp_size = 0, 1, 0, 1
-    device = training.get_device(args.device)
+    device = training.get_device(args)
 
     # ---- data: every check of the arguments happens here, before any work
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=True)
@@ -40,7 +40,7 @@ def main(argv=None):
     # ---- strategy: none; every parameter lives whole on this device
     parts = training.parameter_parts(model)
     optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, device)
-    forward = torch.compile(model) if args.compile else model
+    forward = training.compile_blocks(model) if args.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)

@@ -163,8 +163,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits, vocab = logits.float(), logits.shape[-1]
         start = dist.get_rank(group) * vocab
         if start + vocab > vocab_size:  # this slice holds padding classes: no tokens, no probability, no gradient
-            padding = torch.arange(start, start + vocab, device=logits.device) >= vocab_size
-            logits = logits.masked_fill(padding, -math.inf)
+            logits = logits.masked_fill(torch.arange(vocab, device=logits.device) >= vocab_size - start, -math.inf)
         logits_max = logits.max(dim=-1).values
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         logits = logits - logits_max.unsqueeze(-1)  # every exponent <= 0: no overflow at any logit size
@@ -254,7 +253,7 @@ def main(argv=None):
     if tp != world_size:
         raise ValueError(f"--tp {tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so --tp must be "
                          "the world size; use train_2d.py to combine it with data parallelism")
-    device = training.get_device(args.device, local_rank)
+    device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
@@ -285,7 +284,7 @@ def main(argv=None):
 
     # ---- strategy: sharded matrices, replicated norms and biases; replicated tensors are saved by rank 0 only
     optimizer = training.make_optimizer(groups, args, device)
-    forward = torch.compile(model) if args.compile else model
+    forward = training.compile_blocks(model) if args.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)

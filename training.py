@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import gpt
 
@@ -48,7 +49,8 @@ def get_parser(description):
     p.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm; 0 disables clipping")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="bfloat16: autocast, float32 master weights")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    p.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA (faster; float32 results differ ~1e-3)")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flash"])
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--eval_interval", type=int, default=100)
@@ -66,15 +68,18 @@ def get_parser(description):
     return p
 
 
-def get_device(choice, local_rank=0):
+def get_device(args, local_rank=0):
+    """--device (auto: CUDA when there is one) and --tf32. TF32 rounds float32 matmul inputs to 10 mantissa bits
+    (~1e-3 relative): faster on Ampere and later GPUs, but two float32 layouts then differ by far more than their
+    reduction order, so it is on only when asked for."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
+    choice = args.device
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda but no CUDA device is visible; use --device cpu")
         torch.cuda.set_device(local_rank)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
         return torch.device("cuda", local_rank)
     # Ranks sharing a machine share its cores; oversubscribing them makes every rank several times slower.
     if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins (torchrun sets 1 for several ranks)
@@ -342,11 +347,15 @@ def decay_groups(parameters):
 
 
 def make_optimizer(groups, args, device):
-    """AdamW over groups = (with weight decay, without), e.g. from decay_groups()."""
+    """AdamW over groups = (with weight decay, without), e.g. from decay_groups(). Fused on every device: the CPU
+    runs the kernel CUDA runs, so the tests see what a GPU sees. A fused step refuses a group that mixes DTensors
+    with plain tensors (torch_reference's tensor parallelism leaves norms and wpe plain): one group per kind."""
     decay, no_decay = groups
-    groups = [{"params": list(decay), "weight_decay": args.weight_decay},
-              {"params": list(no_decay), "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    groups = [{"params": [p for p in params if isinstance(p, DTensor) == distributed], "weight_decay": weight_decay}
+              for params, weight_decay in ((list(decay), args.weight_decay), (list(no_decay), 0.0))
+              for distributed in (False, True)]
+    groups = [group for group in groups if group["params"]]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def clip_grad_norm_(counted, grads, max_norm, group=None):
@@ -360,6 +369,17 @@ def clip_grad_norm_(counted, grads, max_norm, group=None):
     norm = total.sqrt()
     torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm
+
+
+def compile_blocks(model):
+    """--compile: torch.compile each transformer block's forward, as torchtitan does; returns the model. A model
+    compiled whole runs its backward as one autograd node, so every gradient hook (DDP's bucket all-reduces) fires
+    only after all of backward, and module hooks (FSDP's gathers) break the graph. Compiled block by block, the
+    strategies' hooks run between compiled pieces, where they overlap communication with compute."""
+    for module in model.modules():
+        if isinstance(module, gpt.Block):
+            module.forward = torch.compile(module.forward)
+    return model
 
 
 def set_lr(optimizer, step, args):
