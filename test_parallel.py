@@ -193,10 +193,11 @@ def corpus(tmp_path_factory):
 
 def flags(corpus, out_dir, **overrides):
     """Command-line flags of a short float32 run: tiny model, 16 sequences of 32 tokens, accumulation
-    16 / (micro batch 2 x data-parallel size), clipping active (the first steps' grad norm is ~10), 6 steps."""
+    16 / (micro batch 2 x data-parallel size), clipping active (the first steps' grad norm is ~10), 6 steps.
+    Validation on one global batch at the first and the last step: every layout's validation all-reduce runs."""
     settings = dict(model="tiny", data=corpus, out_dir=str(out_dir), block_size=32, global_batch=16, micro_batch=2,
-                    max_steps=6, warmup_steps=2, lr=3e-3, min_lr=3e-4, grad_clip=1.0, eval_interval=0,
-                    log_interval=1, ckpt_interval=0, sample_tokens=0, seed=1234)
+                    max_steps=6, warmup_steps=2, lr=3e-3, min_lr=3e-4, grad_clip=1.0, eval_interval=100,
+                    eval_iters=1, log_interval=1, ckpt_interval=0, sample_tokens=0, seed=1234)
     settings.update(overrides)
     argv = []
     for key, value in settings.items():
@@ -212,6 +213,8 @@ class Run(NamedTuple):
     weights: dict  # name -> final full tensor (numpy)
     grad_norms: list  # by step: the one figure where a gradient summed instead of averaged shows, since
     #                   clipping and AdamW's m / sqrt(v) hide a constant factor from losses and weights
+    lrs: list  # by step
+    val_losses: dict  # step -> validation loss, at the steps that evaluated
 
 
 def read_run(out_dir):
@@ -221,7 +224,9 @@ def read_run(out_dir):
     checkpoint = training.Checkpoint(training.latest_checkpoint(out_dir))
     weights = {name: checkpoint.full(name).numpy() for name in checkpoint.pieces if "/" not in name}
     steps = sorted(records)
-    return Run([records[s]["loss"] for s in steps], weights, [records[s]["grad_norm"] for s in steps])
+    val_losses = {s: records[s]["val_loss"] for s in steps if "val_loss" in records[s]}
+    return Run([records[s]["loss"] for s in steps], weights, [records[s]["grad_norm"] for s in steps],
+               [records[s]["lr"] for s in steps], val_losses)
 
 
 _single_runs = {}
@@ -249,6 +254,10 @@ def assert_runs_match(run, reference, tolerance=TOLERANCE, weight_tolerance=WEIG
     assert len(run.losses) == len(reference.losses)
     np.testing.assert_allclose(run.losses, reference.losses, rtol=tolerance, atol=0, err_msg="losses")
     np.testing.assert_allclose(run.grad_norms, reference.grad_norms, rtol=tolerance, atol=0, err_msg="grad norms")
+    np.testing.assert_allclose(run.lrs, reference.lrs, rtol=1e-12, atol=0, err_msg="learning rates")  # one formula
+    assert run.val_losses.keys() == reference.val_losses.keys()
+    np.testing.assert_allclose(list(run.val_losses.values()), list(reference.val_losses.values()), rtol=tolerance,
+                               atol=0, err_msg="validation losses")
     assert run.weights.keys() == reference.weights.keys()
     differences = {name: np.abs(run.weights[name] - expected).max() for name, expected in reference.weights.items()}
     worst = sorted(differences, key=differences.get, reverse=True)[:3]
@@ -448,6 +457,38 @@ def test_flops_and_mfu_need_a_known_device():
     assert training.peak_flops(torch.device("cpu")) is None
 
 
+# ------------------------------------------------------------------------------------------------------------
+# training.py: what every layout shares. Holding a layout to train_single.py cannot see a mistake here, since
+# train_single.py makes it too: each piece is held to its own statement of what it must do, written in the test.
+
+
+def expected_lr(step, lr, min_lr, warmup_steps, max_steps):
+    """What --lr, --min_lr, --warmup_steps and --max_steps promise: a linear warmup from lr / warmup_steps at step 0
+    to lr at step warmup_steps - 1, then half a cosine from lr at step warmup_steps down to min_lr at max_steps."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if step >= max_steps:
+        return min_lr
+    return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * (step - warmup_steps) / (max_steps - warmup_steps))) / 2
+
+
+def decays(name):
+    """Weight decay by parameter name, as in nanoGPT and Megatron-LM: every weight matrix and both embeddings
+    decay; biases and the layer norms' gains never do."""
+    return not (name.endswith("bias") or ".ln_" in name or name.startswith("ln_"))
+
+
+def independent_batch(corpus, split, step, seed=1234, block_size=32, batch=16):
+    """The global batch of `step` as BatchSampler documents it, drawn without it: `batch` windows of block_size + 1
+    tokens of <split>.bin at offsets drawn from (seed, split, step) alone; the targets are the inputs shifted by
+    one. flags()'s seed, block size and global batch by default."""
+    tokens = np.memmap(os.path.join(corpus, f"{split}.bin"), dtype=np.uint16, mode="r")
+    rng = np.random.default_rng([seed, ["train", "val"].index(split), step])
+    starts = rng.integers(0, len(tokens) - block_size - 1, size=batch)
+    windows = torch.from_numpy(np.stack([tokens[s:s + block_size + 1] for s in starts]).astype(np.int64))
+    return windows[:, :-1], windows[:, 1:]
+
+
 @pytest.mark.parametrize("micro_batch", [1, 2, 4])
 def test_sampler_rows_partition_the_global_batch(corpus, micro_batch):
     path = os.path.join(corpus, "train.bin")
@@ -475,13 +516,84 @@ def test_sampler_rows_partition_the_global_batch(corpus, micro_batch):
         training.BatchSampler(path, 16, 16, 3, 0, 2, 0, torch.device("cpu"))
 
 
-def test_lr_schedule():
-    args = training.get_parser("").parse_args(["--lr", "1.0", "--min_lr", "0.1", "--warmup_steps", "10",
-                                                "--max_steps", "110"])
-    assert training.get_lr(0, args) == pytest.approx(0.1)
-    assert training.get_lr(9, args) == pytest.approx(1.0)
-    assert training.get_lr(60, args) == pytest.approx(0.55)
-    assert training.get_lr(110, args) == pytest.approx(0.1)
+@pytest.mark.parametrize("warmup_steps", [0, 1, 10])
+def test_lr_schedule_at_every_boundary(warmup_steps):
+    """Every step of a 110-step schedule (and past its end) against expected_lr: lr / warmup at step 0, the peak
+    at the last warmup step and again at step warmup_steps (never above it), the midpoint halfway through the
+    cosine, --min_lr from --max_steps on. set_lr gives every parameter group the step's rate."""
+    lr, min_lr, max_steps = 1.0, 0.1, 110
+    args = training.get_parser("").parse_args(["--lr", str(lr), "--min_lr", str(min_lr), "--warmup_steps",
+                                                str(warmup_steps), "--max_steps", str(max_steps)])
+    lrs = [training.get_lr(step, args) for step in range(max_steps + 5)]
+    assert max(lrs) <= lr
+    if warmup_steps:
+        assert lrs[0] == pytest.approx(lr / warmup_steps) and lrs[warmup_steps - 1] == pytest.approx(lr)
+    assert lrs[warmup_steps] == pytest.approx(lr)
+    if (max_steps - warmup_steps) % 2 == 0:
+        assert lrs[(warmup_steps + max_steps) // 2] == pytest.approx((lr + min_lr) / 2)
+    assert lrs[max_steps:] == pytest.approx([min_lr] * 5)
+    assert lrs == pytest.approx([expected_lr(step, lr, min_lr, warmup_steps, max_steps) for step in range(len(lrs))])
+    assert all(a >= b for a, b in zip(lrs[warmup_steps:], lrs[warmup_steps + 1:])), "the cosine only decreases"
+    optimizer = torch.optim.AdamW([{"params": [torch.zeros(2, requires_grad=True)]},
+                                   {"params": [torch.zeros(2, requires_grad=True)]}])
+    assert training.set_lr(optimizer, 60, args) == lrs[60]
+    assert [group["lr"] for group in optimizer.param_groups] == [lrs[60]] * 2
+
+
+def test_optimizer_groups_by_parameter_name():
+    """make_optimizer(decay_groups(...)), as train_single, DDP and TP build it: every parameter in exactly one
+    group, with --weight_decay exactly where decays(name) says; AdamW's betas and eps as nanoGPT sets them."""
+    model = gpt.GPT(gpt.make_config("tiny", vocab_size=256, block_size=32))
+    args = training.get_parser("").parse_args(["--weight_decay", "0.25"])
+    optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, torch.device("cpu"))
+    weight_decay = {param: group["weight_decay"] for group in optimizer.param_groups for param in group["params"]}
+    assert sum(len(group["params"]) for group in optimizer.param_groups) == len(weight_decay)
+    named = dict(model.named_parameters())
+    assert weight_decay.keys() == set(named.values())
+    assert {name for name in named if not decays(name)} >= {"blocks.0.ln_1.weight", "blocks.0.attn.query.bias"}
+    for name, param in named.items():
+        assert weight_decay[param] == (0.25 if decays(name) else 0.0), name
+    for group in optimizer.param_groups:
+        assert (group["lr"], group["betas"], group["eps"]) == (args.lr, (0.9, 0.95), 1e-8)
+
+
+def _fsdp_optimizer_groups():
+    _, fsdp, _ = _build(gpt.make_config("tiny", vocab_size=256, block_size=32))
+    args = training.get_parser("").parse_args(["--weight_decay", "0.25"])
+    optimizer = training.make_optimizer(fsdp.parameter_groups(), args, torch.device("cpu"))
+    names = {flat.shard: flat.names for flat in fsdp.flats}
+    return [(group["weight_decay"], [names[shard] for shard in group["params"]]) for group in optimizer.param_groups]
+
+
+def test_fsdp_optimizer_groups_by_parameter_name():
+    """FSDP (and 2-D) group flat shards: each shard's original parameters all decay or all do not, as their names
+    say, and every parameter of the model is in one shard of one group."""
+    for groups in run_distributed(2, _fsdp_optimizer_groups):
+        seen = []
+        for weight_decay, shards in groups:
+            for names in shards:
+                assert {weight_decay} == {0.25 if decays(name) else 0.0 for name in names}, names
+                seen += names
+        assert sorted(seen) == sorted(name for name, _ in gpt.GPT(gpt.make_config("tiny", 256, 32)).named_parameters())
+
+
+def test_validation_loss_is_the_mean_over_the_validation_batches(corpus):
+    """estimate_loss is the cross-entropy of every token of --eval_iters global validation batches, computed here on
+    each whole batch at once: the same at accumulation 16, 4 and 1, with dropout off (0.5 here: any mask would show),
+    and it leaves the model training."""
+    model = gpt.GPT(gpt.make_config("tiny", vocab_size=256, block_size=32, dropout=0.5))
+    model.init_weights(1234)
+    with torch.no_grad():
+        model.eval()
+        expected = np.mean([F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+                            for x, y in (independent_batch(corpus, "val", step) for step in range(2))])
+        model.train()
+    for micro_batch in (1, 4, 16):
+        sampler = training.BatchSampler(os.path.join(corpus, "val.bin"), block_size=32, global_batch=16,
+                                        micro_batch=micro_batch, dp_rank=0, dp_size=1, seed=1234,
+                                        device=torch.device("cpu"))
+        assert training.estimate_loss(model, sampler, 2, contextlib.nullcontext()) == pytest.approx(expected, rel=1e-6)
+        assert model.training
 
 
 def test_checkpoint_pieces_assemble_any_layout(tmp_path):
@@ -496,6 +608,59 @@ def test_checkpoint_pieces_assemble_any_layout(tmp_path):
     training.publish_checkpoint(str(tmp_path), 3, 2, {"config": {}})
     checkpoint = training.Checkpoint(training.latest_checkpoint(str(tmp_path)))
     assert torch.equal(checkpoint.full("w"), full)
+
+
+# What writes, moves or removes a file while a checkpoint is saved and published (open: the `latest` pointer).
+FILE_OPERATIONS = [(os, "makedirs"), (os, "replace"), (os, "rename"), (os, "fsync"), (shutil, "rmtree"),
+                   (torch, "save"), (training, "open")]
+
+
+def test_checkpoint_publishing_survives_a_crash_between_any_two_file_operations(tmp_path, monkeypatch):
+    """After step 2's checkpoint, step 4's is saved with a crash injected before its first file operation, then
+    before its second, and so on until one save completes. After every crash `latest` names a complete, readable
+    checkpoint (step 2's until the pointer moves, step 4's after), and the run resumed from it saves its next
+    checkpoints and ends with `latest` at step 6."""
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+
+    def save(out_dir, step):  # a checkpoint whose one tensor holds its step number
+        args = training.get_parser("").parse_args(["--out_dir", str(out_dir)])
+        training.save_checkpoint(args, step, {"w": [training.piece((3,), torch.full((3,), float(step)))]}, config,
+                                 torch.device("cpu"))
+
+    def saved_step(out_dir):
+        checkpoint = training.Checkpoint(training.latest_checkpoint(str(out_dir)))  # raises if unreadable
+        checkpoint.check(config, {"w": (3,)})  # raises if a piece is missing
+        step = checkpoint.meta["step"]
+        assert torch.equal(checkpoint.full("w"), torch.full((3,), float(step)))
+        assert checkpoint.path.endswith(f"ckpt-{step:07d}")
+        return step
+
+    steps = []  # latest's step after each crash
+    for crash_at in range(1, 100):
+        out_dir = tmp_path / f"crash_before_operation_{crash_at}"
+        save(out_dir, 2)
+        operations = []
+        with monkeypatch.context() as patches:
+            for module, name in FILE_OPERATIONS:
+                def operation(*args, real=getattr(module, name, None) or open, name=name, **kwargs):
+                    operations.append(name)
+                    if len(operations) == crash_at:
+                        raise Crash
+                    return real(*args, **kwargs)
+                patches.setattr(module, name, operation, raising=False)
+            try:
+                save(out_dir, 4)
+            except Crash:
+                pass
+        steps.append(saved_step(out_dir))
+        for next_step in range(steps[-1] + 2, 7, 2):
+            save(out_dir, next_step)
+        assert saved_step(out_dir) == 6
+        if len(operations) < crash_at:  # the save went through: every operation has had a crash before it
+            break
+    print(f"crashed before each of {len(operations)} file operations {operations}: latest at steps {steps[:-1]}")
+    assert {"rename", "replace", "fsync", "rmtree"} <= set(operations)
+    assert steps == sorted(steps) and steps[0] == 2 and steps[-1] == 4  # the pointer moves once, never back
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -561,6 +726,42 @@ def test_loss_falls_on_the_default_corpus(corpus, tmp_path):
     assert first["val_loss"] > 5.0 and last["val_loss"] < 3.6
     assert set(last) >= {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "step_ms"}
     assert last["mfu"] is None and last["tokens_per_s"] > 0 and last["peak_mem_mb"] > 0
+
+
+def test_train_single_equals_a_plain_training_loop(corpus, tmp_path_factory):
+    """The reference for what every layout shares, with no code of training.py: a plain loop written here from the
+    flags' definitions (batches from independent_batch, whole at once instead of train_single's 8 micro-batches;
+    expected_lr; AdamW groups by decays(name); F.cross_entropy; clipping to norm 1 by hand; validation at the first
+    and last step) trains flags()'s 6 steps: the same losses, grad norms, rates, validation losses and weights."""
+    model = gpt.GPT(gpt.make_config("tiny", vocab_size=256, block_size=32))
+    model.init_weights(1234)
+    named = dict(model.named_parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for name, p in named.items() if decays(name)], "weight_decay": 0.1},
+                                   {"params": [p for name, p in named.items() if not decays(name)],
+                                    "weight_decay": 0.0}], betas=(0.9, 0.95), eps=1e-8)
+    reference = Run([], None, [], [], {})
+
+    def cross_entropy(x, y):
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    for step in range(6):
+        if step in (0, 5):  # --eval_interval 100 --eval_iters 1: one validation batch, at the first and last step
+            with torch.no_grad():
+                reference.val_losses[step] = cross_entropy(*independent_batch(corpus, "val", 0)).item()
+        reference.lrs.append(expected_lr(step, lr=3e-3, min_lr=3e-4, warmup_steps=2, max_steps=6))
+        for group in optimizer.param_groups:
+            group["lr"] = reference.lrs[-1]
+        loss = cross_entropy(*independent_batch(corpus, "train", step))
+        loss.backward()
+        grad_norm = torch.stack([param.grad.norm() for param in named.values()]).norm().item()
+        for param in named.values():
+            param.grad *= min(1.0, 1.0 / (grad_norm + 1e-6))
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.losses.append(loss.item())
+        reference.grad_norms.append(grad_norm)
+    reference = reference._replace(weights={name: param.detach().numpy() for name, param in named.items()})
+    assert_runs_match(single_run(corpus, tmp_path_factory), reference)
 
 
 def test_bfloat16_autocast_and_sampling(corpus, tmp_path, capsys):
@@ -1870,6 +2071,7 @@ def uninterrupted_ddp(corpus, tmp_path_factory):
 
 def assert_identical(run, reference):
     assert run.losses == reference.losses and run.grad_norms == reference.grad_norms
+    assert run.lrs == reference.lrs and run.val_losses == reference.val_losses
     assert run.weights.keys() == reference.weights.keys()
     for name in reference.weights:
         assert np.array_equal(run.weights[name], reference.weights[name]), name
