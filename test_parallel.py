@@ -1191,14 +1191,71 @@ def test_gpu_check_dry_run_on_cpu(corpus, tmp_path):
 # train_fsdp.py
 
 
-@pytest.mark.parametrize("world_size, strategy", [
+def _train_counting_gathers(main, argv):
+    """main(argv) on this rank; returns, for each batch it draws, (split, the all-gathers it issued from that batch
+    until the next): the forward and backward of a training micro-step, or a validation forward."""
+    batches = []
+    real_gather, real_get = training.all_gather_single, training.BatchSampler.get
+
+    def gather(*args, **kwargs):
+        batches[-1][1] += 1
+        return real_gather(*args, **kwargs)
+
+    def get(sampler, step, micro_step):
+        batches.append([("train", "val")[sampler.split], 0])
+        return real_get(sampler, step, micro_step)
+
+    training.all_gather_single, training.BatchSampler.get = gather, get
+    try:
+        main(argv)
+    finally:
+        training.all_gather_single, training.BatchSampler.get = real_gather, real_get
+    return [tuple(batch) for batch in batches]
+
+
+_fsdp_runs = {}
+
+
+def fsdp_run(corpus, tmp_path_factory, world_size, **overrides):
+    """train_fsdp.py on world_size ranks, once per distinct flags per session: (read_run's result, rank 0's
+    all-gathers per batch)."""
+    key = (world_size, tuple(sorted(overrides.items())))
+    if key not in _fsdp_runs:
+        out_dir = shared_folder(tmp_path_factory, "fsdp")
+        argv = flags(corpus, out_dir, **overrides)
+        gathers = run_distributed(world_size, _train_counting_gathers, train_fsdp.main, argv)[0]
+        _fsdp_runs[key] = read_run(str(out_dir)), gathers
+    return _fsdp_runs[key]
+
+
+FSDP_LAYOUTS = pytest.mark.parametrize("world_size, strategy", [
     (2, {}),
+    (3, dict(global_batch=12)),  # 16 rows do not split over 3 ranks; the flat parameters of biases and norms pad
     (4, dict(no_reshard=True, no_deferred_init=True)),
 ])
-def test_fsdp_matches_single(corpus, shared_tmp, tmp_path_factory, world_size, strategy):
-    """2 and 4 ranks, accumulation 4 and 2, clipping active: ZeRO-3 computes what one device computes."""
-    run_distributed(world_size, train_fsdp.main, flags(corpus, shared_tmp, **strategy))
-    assert_runs_match(read_run(shared_tmp), single_run(corpus, tmp_path_factory))
+
+
+@FSDP_LAYOUTS
+def test_fsdp_matches_single(corpus, tmp_path_factory, world_size, strategy):
+    """2, 3 and 4 ranks, accumulation 4, 2 and 2, clipping active: ZeRO-3 computes what one device computes, with
+    uneven shards too."""
+    run, _ = fsdp_run(corpus, tmp_path_factory, world_size, **strategy)
+    batch = {key: value for key, value in strategy.items() if key == "global_batch"}
+    assert_runs_match(run, single_run(corpus, tmp_path_factory, **batch))
+
+
+FLAT_PARAMETERS, OF_THE_ROOT = 2 * (1 + 4), 2  # the tiny model: decayed and not decayed, in the root and 4 blocks
+
+
+@FSDP_LAYOUTS
+def test_fsdp_gathers_each_flat_parameter_once_or_twice(corpus, tmp_path_factory, world_size, strategy):
+    """All-gathers in each training micro-step: every flat parameter once for forward, and, resharded after
+    forward (the default), every block's again for backward, the root staying gathered from its forward to its
+    backward: 2 x 10 - 2 = 18; --no_reshard keeps every unit gathered through backward: 10. Validation: 10."""
+    _, gathers = fsdp_run(corpus, tmp_path_factory, world_size, **strategy)
+    expected = FLAT_PARAMETERS if strategy.get("no_reshard") else 2 * FLAT_PARAMETERS - OF_THE_ROOT
+    assert {count for split, count in gathers if split == "train"} == {expected}, gathers
+    assert {count for split, count in gathers if split == "val"} == {FLAT_PARAMETERS}, gathers
 
 
 def test_fsdp_ours_matches_fully_shard(corpus, shared_tmp):
@@ -1804,22 +1861,40 @@ _2d_runs = {}
 
 
 def run_2d(corpus, tmp_path_factory, world_size, **overrides):
+    """train_2d.py, once per distinct flags per session: read_run's result (rank 0's all-gathers per batch in
+    _2d_gathers)."""
     key = (world_size, tuple(sorted(overrides.items())))
     if key not in _2d_runs:
         out_dir = shared_folder(tmp_path_factory, "2d")
-        run_distributed(world_size, train_2d.main, flags(corpus, out_dir, **overrides))
+        argv = flags(corpus, out_dir, **overrides)
+        _2d_gathers[key] = run_distributed(world_size, _train_counting_gathers, train_2d.main, argv)[0]
         _2d_runs[key] = read_run(str(out_dir))
     return _2d_runs[key]
+
+
+_2d_gathers = {}
 
 
 @pytest.mark.parametrize("world_size, overrides", [
     (4, dict(tp=2, dp=2)),
     (4, dict(tp=2, dp=2, sequence_parallel=True, no_loss_parallel=True)),
-    (8, dict(tp=2, dp=4)),
+    (8, dict(tp=2, dp=4, no_reshard=True)),
 ])
 def test_2d_matches_single_device(corpus, tmp_path_factory, world_size, overrides):
     """6 steps with accumulation (16 / (2 x dp)) and clipping: losses, grad norms and weights equal train_single's."""
     assert_runs_match(run_2d(corpus, tmp_path_factory, world_size, **overrides), single_run(corpus, tmp_path_factory))
+
+
+@pytest.mark.parametrize("world_size, overrides", [(4, dict(tp=2, dp=2)), (8, dict(tp=2, dp=4, no_reshard=True))])
+def test_2d_gathers_each_flat_parameter_once_or_twice(corpus, tmp_path_factory, world_size, overrides):
+    """As FSDP alone (test_fsdp_gathers_each_flat_parameter_once_or_twice): tensor parallelism slices the flat
+    parameters without changing their number, and without sequence parallelism or gathered logits it issues no
+    all-gather of its own while training."""
+    run_2d(corpus, tmp_path_factory, world_size, **overrides)
+    gathers = _2d_gathers[world_size, tuple(sorted(overrides.items()))]
+    expected = FLAT_PARAMETERS if overrides.get("no_reshard") else 2 * FLAT_PARAMETERS - OF_THE_ROOT
+    assert {count for split, count in gathers if split == "train"} == {expected}, gathers
+    assert {count for split, count in gathers if split == "val"} == {FLAT_PARAMETERS}, gathers
 
 
 def test_2d_ours_matches_torch(corpus, tmp_path_factory):
