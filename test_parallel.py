@@ -647,7 +647,7 @@ def test_checkpoint_publishing_survives_a_crash_between_any_two_file_operations(
         save(out_dir, 2)
         operations = []
         with monkeypatch.context() as patches:
-            for module, name in FILE_OPERATIONS:
+            for module, name in FILE_OPERATIONS:  # training.open is the builtin, shadowed for training.py alone
                 def operation(*args, real=getattr(module, name, None) or open, name=name, **kwargs):
                     operations.append(name)
                     if len(operations) == crash_at:
@@ -745,7 +745,7 @@ def test_train_single_equals_a_plain_training_loop(corpus, tmp_path_factory):
     optimizer = torch.optim.AdamW([{"params": [p for name, p in named.items() if decays(name)], "weight_decay": 0.1},
                                    {"params": [p for name, p in named.items() if not decays(name)],
                                     "weight_decay": 0.0}], betas=(0.9, 0.95), eps=1e-8)
-    reference = Run([], None, [], [], {})
+    losses, grad_norms, lrs, val_losses = [], [], [], {}
 
     def cross_entropy(x, y):
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -753,10 +753,10 @@ def test_train_single_equals_a_plain_training_loop(corpus, tmp_path_factory):
     for step in range(6):
         if step in (0, 5):  # --eval_interval 100 --eval_iters 1: one validation batch, at the first and last step
             with torch.no_grad():
-                reference.val_losses[step] = cross_entropy(*independent_batch(corpus, "val", 0)).item()
-        reference.lrs.append(expected_lr(step, lr=3e-3, min_lr=3e-4, warmup_steps=2, max_steps=6))
+                val_losses[step] = cross_entropy(*independent_batch(corpus, "val", 0)).item()
+        lrs.append(expected_lr(step, lr=3e-3, min_lr=3e-4, warmup_steps=2, max_steps=6))
         for group in optimizer.param_groups:
-            group["lr"] = reference.lrs[-1]
+            group["lr"] = lrs[-1]
         loss = cross_entropy(*independent_batch(corpus, "train", step))
         loss.backward()
         grad_norm = torch.stack([param.grad.norm() for param in named.values()]).norm().item()
@@ -764,10 +764,10 @@ def test_train_single_equals_a_plain_training_loop(corpus, tmp_path_factory):
             param.grad *= min(1.0, 1.0 / (grad_norm + 1e-6))
         optimizer.step()
         optimizer.zero_grad()
-        reference.losses.append(loss.item())
-        reference.grad_norms.append(grad_norm)
-    reference = reference._replace(weights={name: param.detach().numpy() for name, param in named.items()})
-    assert_runs_match(single_run(corpus, tmp_path_factory), reference)
+        losses.append(loss.item())
+        grad_norms.append(grad_norm)
+    weights = {name: param.detach().numpy() for name, param in named.items()}
+    assert_runs_match(single_run(corpus, tmp_path_factory), Run(losses, weights, grad_norms, lrs, val_losses))
 
 
 def test_bfloat16_autocast_and_sampling(corpus, tmp_path, capsys):
@@ -807,10 +807,7 @@ def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(training, "get_lr", real_get_lr)
     assert training.latest_checkpoint(str(interrupted)).endswith("ckpt-0000003")
     train_single.main(flags(corpus, interrupted, max_steps=8, ckpt_interval=3, dropout=DROPOUT, resume=True))
-    run, reference = read_run(str(interrupted)), read_run(str(straight))
-    assert run.losses == reference.losses and run.grad_norms == reference.grad_norms  # bit-identical, not merely close
-    for name in reference.weights:
-        assert np.array_equal(run.weights[name], reference.weights[name]), name
+    assert_identical(read_run(str(interrupted)), read_run(str(straight)))  # bit-identical, not merely close
 
 
 def test_checkpoint_killed_mid_write_leaves_the_previous_one(corpus, tmp_path, monkeypatch):
@@ -919,13 +916,17 @@ def test_ddp_matches_single_device(corpus, tmp_path_factory, world_size):
         assert set.union(*ranks) == set(everyone), "the ranks together see exactly the global batch"
 
 
-def test_ddp_ours_matches_torch(corpus, tmp_path_factory):
-    """--impl ours against --impl torch (DistributedDataParallel, same buckets): same losses, weights, grad norms."""
-    ours, _ = ddp_run(corpus, tmp_path_factory, 2)
-    theirs, _ = ddp_run(corpus, tmp_path_factory, 2, impl="torch")
+@pytest.mark.parametrize("dropout", [0, DROPOUT])
+def test_ddp_ours_matches_torch(corpus, tmp_path_factory, dropout):
+    """--impl ours against --impl torch (DistributedDataParallel, same buckets): same losses, weights, grad norms;
+    with dropout too, since both draw each rank's masks from its own generator in the same order."""
+    extra = dict(dropout=dropout) if dropout else {}  # the runs other tests share
+    ours, _ = ddp_run(corpus, tmp_path_factory, 2, **extra)
+    theirs, _ = ddp_run(corpus, tmp_path_factory, 2, impl="torch", **extra)
     assert ours.losses == theirs.losses and ours.grad_norms == theirs.grad_norms  # measured: bit-identical
     assert_runs_match(ours, theirs)
-    assert_runs_match(theirs, single_run(corpus, tmp_path_factory))
+    if not dropout:  # other masks than train_single's
+        assert_runs_match(theirs, single_run(corpus, tmp_path_factory))
 
 
 def test_ddp_resumes_at_another_world_size(corpus, tmp_path_factory, shared_tmp):
@@ -1264,13 +1265,14 @@ def test_fsdp_gathers_each_flat_parameter_once_or_twice(corpus, tmp_path_factory
     assert {count for split, count in gathers if split == "val"} == {FLAT_PARAMETERS}, gathers
 
 
-def test_fsdp_ours_matches_fully_shard(corpus, shared_tmp):
-    """Ours against PyTorch's FSDP2 on the same flags: both equal to each other, not only to train_single."""
-    runs = {}
-    for impl in ("ours", "torch"):
-        run_distributed(2, train_fsdp.main, flags(corpus, os.path.join(shared_tmp, impl), impl=impl))
-        runs[impl] = read_run(os.path.join(shared_tmp, impl))
-    assert_runs_match(runs["ours"], runs["torch"])
+@pytest.mark.parametrize("dropout", [0, DROPOUT])
+def test_fsdp_ours_matches_fully_shard(corpus, tmp_path_factory, dropout):
+    """Ours against PyTorch's FSDP2 on the same flags: both equal to each other, not only to train_single; with
+    dropout too, since both draw each rank's masks from its own generator in the same order."""
+    extra = dict(dropout=dropout) if dropout else {}  # the runs other tests share
+    ours, _ = fsdp_run(corpus, tmp_path_factory, 2, **extra)
+    theirs, _ = fsdp_run(corpus, tmp_path_factory, 2, impl="torch", **extra)
+    assert_runs_match(ours, theirs)
 
 
 @torch.no_grad()
