@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1286,12 +1287,13 @@ def named_full_parameters(fsdp):
             yield name, piece.view(shape)
 
 
-def _build(config, seed=5):
+def _build(config, seed=5, init_from=None):
     with torch.device("meta"):
         model = gpt.GPT(config)
+    value = training.initial_values(config, seed, init_from)
     with RecordOutputs() as allocations:
         fsdp = train_fsdp.FullyShardedDataParallel(
-            model, initial_value=lambda name, param: gpt.initial_value(name, param.shape, config, seed))
+            model, initial_value=lambda name, param, flat: value(name, param.shape, flat=flat))
     return model, fsdp, max(t.numel() for _, t in allocations.outputs if t.device.type != "meta")
 
 
@@ -1385,16 +1387,19 @@ def test_fsdp_parameters_stay_reachable_by_name():
 def _samples_on_every_rank(script):
     config = gpt.make_config("tiny", vocab_size=256, block_size=16, dropout=0.5)
     torch.manual_seed(dist.get_rank())  # as the scripts: data-parallel ranks draw different dropout masks
+    value = training.initial_values(config, 3)
     with torch.device("meta"):
         model = gpt.GPT(config)
     if script == "2d":
         tp_group, dp_group = train_2d.new_groups(2, 2)
         train_tp.parallelize(model, tp_group, dropout_seed=10 + dist.get_rank())
         tp_parts = {part.name: part for part in training.parameter_parts(model)}
-        initial_value = lambda name, param: tp_parts[name].initial_value(config, 3)  # noqa: E731
+
+        def initial_value(name, param, flat):  # this rank's FSDP shard of its tensor-parallel slice
+            return value(name, tp_parts[name].shape, tp_parts[name].box, flat)
     else:
         dp_group, tp_parts = None, None
-        initial_value = lambda name, param: gpt.initial_value(name, param.shape, config, 3)  # noqa: E731
+        initial_value = lambda name, param, flat: value(name, param.shape, flat=flat)  # noqa: E731
     wrapped = train_fsdp.FullyShardedDataParallel(model, process_group=dp_group, initial_value=initial_value,
                                                  tp_parts=tp_parts)
     tokens = gpt.generate(wrapped, torch.tensor([[10, 20, 30]]), 12, 16, 256, seed=1)
@@ -1554,16 +1559,16 @@ def test_tp_torch_matches_single_and_ours(corpus, shared_tmp, tmp_path_factory, 
     assert_runs_match(torch_run, _ours[2, sequence_parallel, loss_parallel])
 
 
-def _tensor_parallel_model(config, seed, sequence_parallel=False, loss_parallel=True, dropout_seed=0):
+def _tensor_parallel_model(config, seed, sequence_parallel=False, loss_parallel=True, dropout_seed=0, init_from=None):
     """A gpt.GPT built on meta, parallelised over the world and initialised as train_tp.main does."""
     with torch.device("meta"):
         model = gpt.GPT(config)
     train_tp.parallelize(model, dist.group.WORLD, sequence_parallel, loss_parallel, dropout_seed)
     model.to_empty(device="cpu")
     model.lm_head.weight = model.wte.weight
-    with torch.no_grad():
-        for part in training.parameter_parts(model):
-            part.tensor.copy_(part.initial_value(config, seed))
+    value = training.initial_values(config, seed, init_from)
+    for part in training.parameter_parts(model):
+        part.local().copy_(part.initial_value(value))
     return model
 
 
@@ -2007,6 +2012,285 @@ def test_every_layout_resumes_every_other(corpus, tmp_path, tmp_path_factory, sa
     main, ranks, extra = LAYOUTS[loader]
     run_distributed(ranks, main, flags(corpus, out_dir, ckpt_interval=SAVED_AT, resume=True, **extra))
     assert_runs_match(read_run(str(out_dir)), single_run(corpus, tmp_path_factory))
+
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --init_from: GPT-2's weights in the Hugging Face format, in every layout, each rank reading its own part; sample.py
+# from any layout's checkpoint. The pretrained models are small random GPT-2s written here the way Hugging Face
+# writes them, so the tests need neither the network nor the transformers package.
+
+
+def hugging_face_gpt2(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=256, seed=0):
+    """The tensors of a random GPT-2 as GPT2LMHeadModel stores them, by stored name: Conv1D weights [in, out], q|k|v
+    side by side in c_attn, no lm_head (tied to wte). Biases and norms are random too, so a misplaced one shows."""
+    shapes = {"wte.weight": (vocab_size, n_embd), "wpe.weight": (n_positions, n_embd), "ln_f.weight": (n_embd,)}
+    for i in range(n_layer):
+        for module, in_features, out_features in [("attn.c_attn", n_embd, 3 * n_embd), ("attn.c_proj", n_embd, n_embd),
+                                                  ("mlp.c_fc", n_embd, 4 * n_embd), ("mlp.c_proj", 4 * n_embd, n_embd)]:
+            shapes[f"h.{i}.{module}.weight"] = (in_features, out_features)
+        shapes.update({f"h.{i}.{norm}.weight": (n_embd,) for norm in ("ln_1", "ln_2")})
+    shapes.update({name.replace("weight", "bias"): shape[-1:] for name, shape in list(shapes.items())
+                   if not name.startswith(("wte", "wpe"))})
+    generator = torch.Generator().manual_seed(seed)
+    return {name: float("ln_" in name and name.endswith("weight")) + 0.1 * torch.randn(shape, generator=generator)
+            for name, shape in shapes.items()}
+
+
+def write_hugging_face_gpt2(folder, tensors, n_head=4, prefix="", **config):
+    """config.json and model.safetensors of `tensors` in `folder`, with the causal-mask buffers (h.i.attn.bias)
+    older GPT-2 files carry; prefix "transformer." as GPT2LMHeadModel.save_pretrained() names them."""
+    n_positions, n_embd = tensors["wpe.weight"].shape
+    n_layer = sum(name.endswith("ln_1.weight") for name in tensors)
+    stored = {prefix + name: tensor for name, tensor in tensors.items()}
+    stored.update({f"{prefix}h.{i}.attn.bias": torch.ones(1, 1, n_positions, n_positions).tril()
+                   for i in range(n_layer)})
+    os.makedirs(folder, exist_ok=True)
+    save_file(stored, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config = dict(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], activation_function="gelu_new",
+                       layer_norm_epsilon=1e-5, n_ctx=n_positions, n_positions=n_positions, n_embd=n_embd,
+                       n_head=n_head, n_layer=n_layer, vocab_size=len(tensors["wte.weight"])), **config)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+def hugging_face_gpt2_logits(tensors, n_head, idx):
+    """GPT2LMHeadModel's forward written from its definition on its own tensors, in float64: Conv1D is x @ W + b,
+    q, k and v are the thirds of c_attn's output, GELU is its tanh form (gelu_new), the head is wte. The reference
+    every layout that loads these tensors is held to."""
+    t = {name: tensor.double() for name, tensor in tensors.items()}
+    (B, T), C = idx.shape, t["wte.weight"].shape[1]
+    norm = lambda x, name: F.layer_norm(x, (C,), t[f"{name}.weight"], t[f"{name}.bias"], eps=1e-5)
+    conv1d = lambda x, name: x @ t[f"{name}.weight"] + t[f"{name}.bias"]
+    gelu = lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    x = t["wte.weight"][idx] + t["wpe.weight"][:T]
+    for i in range(sum(name.endswith("ln_1.weight") for name in t)):
+        q, k, v = (z.view(B, T, n_head, -1).transpose(1, 2)
+                   for z in conv1d(norm(x, f"h.{i}.ln_1"), f"h.{i}.attn.c_attn").split(C, dim=-1))
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(C // n_head)).masked_fill(future, -math.inf)
+        x = x + conv1d((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C), f"h.{i}.attn.c_proj")
+        x = x + conv1d(gelu(conv1d(norm(x, f"h.{i}.ln_2"), f"h.{i}.mlp.c_fc")), f"h.{i}.mlp.c_proj")
+    return norm(x, "ln_f") @ t["wte.weight"].t()
+
+
+def gpt_weights_from_hugging_face(tensors, config):
+    """Our parameters, by gpt.py name, from GPT-2's stored tensors, by the definitions of the two layouts and apart
+    from gpt.py's mapping: Conv1D weights transposed, c_attn's output cut into q, k and v, wte padded with zero rows
+    up to padded_vocab_size, wpe cut to the context."""
+    t, C = tensors, config.n_embd
+    ours = {"wte.weight": F.pad(t["wte.weight"], (0, 0, 0, config.padded_vocab_size - config.vocab_size)),
+            "wpe.weight": t["wpe.weight"][:config.block_size], "ln_f.weight": t["ln_f.weight"],
+            "ln_f.bias": t["ln_f.bias"]}
+    for i in range(config.n_layer):
+        theirs, mine = f"h.{i}.", f"blocks.{i}."
+        for projection, weight, bias in zip(("query", "key", "value"), t[theirs + "attn.c_attn.weight"].split(C, dim=1),
+                                            t[theirs + "attn.c_attn.bias"].split(C)):
+            ours.update({f"{mine}attn.{projection}.weight": weight.t(), f"{mine}attn.{projection}.bias": bias})
+        for module, conv1d in [("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")]:
+            ours.update({f"{mine}{module}.weight": t[f"{theirs}{conv1d}.weight"].t(),
+                         f"{mine}{module}.bias": t[f"{theirs}{conv1d}.bias"]})
+        for norm in ("ln_1", "ln_2"):
+            ours.update({f"{mine}{norm}.{kind}": t[f"{theirs}{norm}.{kind}"] for kind in ("weight", "bias")})
+    return ours
+
+
+@pytest.fixture(scope="module")
+def gpt2_like(tmp_path_factory):
+    """(folder, tensors): a random GPT-2 with the default corpus' vocabulary (256 byte tokens), 2 layers of width 64
+    and 64 positions; under torchrun rank 0 writes it into a folder every rank names alike."""
+    tensors = hugging_face_gpt2()
+    folder = _same_on_every_rank(tmp_path_factory.mktemp("gpt2_like"))
+    if LAUNCHED_WORLD == 1 or dist.get_rank() == 0:
+        write_hugging_face_gpt2(folder, tensors)
+    if LAUNCHED_WORLD > 1:
+        dist.barrier()
+    return str(folder), tensors
+
+
+LOGITS_TOLERANCE = 2e-5
+"""Largest difference allowed between a layout's float32 logits (of magnitude ~10) or loss and the float64 reference.
+float32 rounding through 2 layers: measured up to 6e-6 on logits, 1e-6 on the loss; reduction order, the only
+difference between layouts, adds ~1e-6. A misplaced slice, a missing transpose or a bias read from another third
+of c_attn moves them by 0.1 or more."""
+
+
+def _fully_sharded_tensor_parallel_model(config, value):
+    """train_2d.py's model: tensor parallel over pairs of ranks, each rank's slices fully sharded over the others."""
+    tp_group, dp_group = train_2d.new_groups(2, dist.get_world_size() // 2)
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    train_tp.parallelize(model, tp_group)
+    tp_parts = {part.name: part for part in training.parameter_parts(model)}
+    return train_fsdp.FullyShardedDataParallel(
+        model, process_group=dp_group, tp_parts=tp_parts,
+        initial_value=lambda name, param, flat: value(name, tp_parts[name].shape, tp_parts[name].box, flat))
+
+
+def _load_and_run(layout, folder, idx):
+    """Build `layout` as its script does, from the checkpoint in `folder`: (whole logits of idx[:, :-1], the loss on
+    idx[:, 1:], the size of every tensor read from the file, the sizes and row widths of the parts this rank holds)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        config = gpt.config_from_hugging_face(json.load(f), block_size=idx.shape[1] - 1, dropout=0.0)
+    reads, real_read = [], training.HuggingFaceCheckpoint.read
+
+    def read(checkpoint, name, box):
+        tensor = real_read(checkpoint, name, box)
+        reads.append(tensor.numel())
+        return tensor
+
+    training.HuggingFaceCheckpoint.read = read
+    try:
+        value = training.initial_values(config, 0, folder)
+        if layout == "single":
+            model = gpt.GPT(config)
+            model.init_weights(0, value)
+        elif layout.startswith("fsdp"):
+            _, model, _ = _build(config, init_from=folder)
+        elif layout == "tp":
+            model = _tensor_parallel_model(config, 0, sequence_parallel=True, init_from=folder)
+        else:
+            model = _fully_sharded_tensor_parallel_model(config, value)
+    finally:
+        training.HuggingFaceCheckpoint.read = real_read
+    parts = model.parts() if hasattr(model, "parts") else training.parameter_parts(model)
+    with torch.no_grad():
+        logits, loss = model(idx[:, :-1])[..., :config.vocab_size], model(idx[:, :-1], idx[:, 1:])
+    part_sizes = [(part.flat[1] - part.flat[0], math.prod(b - a for a, b in part.box[1:])) for part in parts]
+    return logits.numpy(), loss.item(), reads, part_sizes
+
+
+@pytest.mark.parametrize("layout, world_size", [("single", 1), ("fsdp", 2), ("fsdp", 3), ("tp", 2), ("2d", 4)])
+def test_hugging_face_gpt2_loads_in_every_layout(tmp_path_factory, layout, world_size):
+    """A GPT-2 in the Hugging Face format (vocabulary 300, padded to 384; 64 positions, 32 used) loaded by each layout
+    computes GPT-2's logits and loss within float32 noise, and each rank reads only its own part, one tensor a part:
+    never more than the part's elements and the partial rows around an FSDP shard; when the model is split, no read
+    as large as the largest parameter, and well under the model in all."""
+    folder = shared_folder(tmp_path_factory, "gpt2_300")
+    tensors = hugging_face_gpt2(vocab_size=300)
+    if LAUNCHED_WORLD == 1 or dist.get_rank() == 0:
+        write_hugging_face_gpt2(folder, tensors, prefix="transformer.")  # the save_pretrained() naming
+    if LAUNCHED_WORLD > 1:
+        dist.barrier()
+    config = gpt.config_from_hugging_face(training.HuggingFaceCheckpoint(str(folder)).config, 32, 0.0)
+    value = training.initial_values(config, 0, str(folder))
+    for name, expected in gpt_weights_from_hugging_face(tensors, config).items():  # wte's padding rows too: zeros
+        assert torch.equal(value(name, expected.shape), expected), name
+    idx = torch.randint(0, 300, (2, 33), generator=torch.Generator().manual_seed(0))
+    reference = hugging_face_gpt2_logits(tensors, 4, idx[:, :-1])
+    reference_loss = F.cross_entropy(reference.flatten(0, 1), idx[:, 1:].flatten()).item()
+    model_bytes = 4 * sum(tensor.numel() for tensor in tensors.values())
+    largest_parameter = max(tensor.numel() for tensor in tensors.values())
+    for rank, (logits, loss, reads, parts) in enumerate(run_distributed(world_size, _load_and_run, layout,
+                                                                        str(folder), idx)):
+        print(f"{layout} x{world_size} rank {rank}: logits differ by {np.abs(logits - reference.numpy()).max():.1e}, "
+              f"loss by {abs(loss - reference_loss):.1e}; read {4 * sum(reads):,} bytes, the largest read "
+              f"{4 * max(reads):,} bytes, of a model of {model_bytes:,} bytes")
+        np.testing.assert_allclose(logits, reference.numpy(), rtol=0, atol=LOGITS_TOLERANCE)
+        assert loss == pytest.approx(reference_loss, rel=0, abs=LOGITS_TOLERANCE)
+        assert len(reads) == len(parts)  # one read a part: a tensor at a time
+        assert sum(reads) <= sum(size + 2 * width for size, width in parts)  # its part, and partial rows at most
+        if world_size > 1:
+            assert max(reads) < largest_parameter and sum(reads) < 0.8 * model_bytes / 4
+
+
+INIT_FROM_LAYOUTS = dict(LAYOUTS, **{"fsdp torch": (train_fsdp.main, 2, dict(impl="torch"))})
+
+
+@pytest.mark.parametrize("layout", list(INIT_FROM_LAYOUTS))
+def test_every_script_starts_from_the_hugging_face_weights(corpus, shared_tmp, gpt2_like, layout):
+    """--init_from FOLDER in each script: one step at learning rate 0 saves exactly the weights GPT-2's tensors give
+    under the definitions of the two layouts, and the loss logged at step 0 is the reference forward's on its batch."""
+    folder, tensors = gpt2_like
+    main, ranks, extra = INIT_FROM_LAYOUTS[layout]
+    run_distributed(ranks, main, flags(corpus, shared_tmp, model=None, init_from=folder, max_steps=1, lr=0, min_lr=0,
+                                       **extra))
+    run = read_run(shared_tmp)
+    config = gpt.config_from_hugging_face(training.HuggingFaceCheckpoint(folder).config, 32, 0.0)
+    expected = gpt_weights_from_hugging_face(tensors, config)
+    assert run.weights.keys() == expected.keys()
+    for name, weight in expected.items():
+        np.testing.assert_array_equal(run.weights[name], weight.numpy(), err_msg=name)
+    sampler = training.BatchSampler(os.path.join(corpus, "train.bin"), 32, 16, 16, 0, 1, 1234, torch.device("cpu"))
+    x, y = sampler.get(0, 0)
+    reference = F.cross_entropy(hugging_face_gpt2_logits(tensors, 4, x).flatten(0, 1), y.flatten()).item()
+    assert run.losses[0] == pytest.approx(reference, rel=0, abs=LOGITS_TOLERANCE)
+
+
+def _refusal(main, argv):
+    try:
+        main(argv)
+    except ValueError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("--model", "--model gpt2 contradicts --init_from"),
+    ("vocabulary", "has a vocabulary of 300, but --data"),
+    ("--block_size", "--block_size 128 is longer than its n_positions 64: pass --block_size 64 or less"),
+    ("not GPT-2", "config.json has activation_function 'relu': gpt.py computes GPT-2 only"),
+    ("weights", "model.safetensors has no h.2.ln_1.weight: the weights do not match config.json"),
+    ("no folder", "is no local folder, and the Hugging Face hub did not give it"),
+])
+def test_init_from_that_contradicts_the_flags_or_data_is_refused(corpus, tmp_path, gpt2_like, case, message):
+    """Refused with one line that says what to change, on every rank, before the first collective."""
+    folder, tensors = gpt2_like
+    overrides = dict(model=None, init_from=folder)
+    if case == "--model":
+        overrides["model"] = "gpt2"
+    elif case == "vocabulary":
+        overrides["init_from"] = write_hugging_face_gpt2(tmp_path / "gpt2", hugging_face_gpt2(vocab_size=300))
+    elif case == "--block_size":
+        overrides["block_size"] = 128
+    elif case == "not GPT-2":
+        overrides["init_from"] = write_hugging_face_gpt2(tmp_path / "gpt2", tensors, activation_function="relu")
+    elif case == "weights":  # a config.json of 3 layers beside weights of 2
+        overrides["init_from"] = write_hugging_face_gpt2(tmp_path / "gpt2", tensors)
+        with open(tmp_path / "gpt2" / "config.json") as f:
+            config = json.load(f)
+        with open(tmp_path / "gpt2" / "config.json", "w") as f:
+            json.dump(dict(config, n_layer=3), f)
+    else:
+        overrides["init_from"] = str(tmp_path / "nowhere")
+    errors = run_distributed(2, _refusal, train_ddp.main, flags(corpus, tmp_path / "run", **overrides))
+    assert all(error and message in error and "\n" not in error for error in errors), errors
+
+
+def test_resume_wins_over_init_from(corpus, tmp_path, gpt2_like):
+    """--init_from applies when a run starts fresh: with --resume and a checkpoint, the run continues the checkpoint,
+    bit for bit as if it had never stopped."""
+    folder, _ = gpt2_like
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    train_single.main(flags(corpus, straight, model=None, init_from=folder, max_steps=4))
+    argv = flags(corpus, interrupted, model=None, init_from=folder, max_steps=4, ckpt_interval=2)
+    assert _train_until(train_single.main, 2, argv) == "crashed"
+    train_single.main(argv + ["--resume"])
+    run, reference = read_run(str(interrupted)), read_run(str(straight))
+    assert run.losses == reference.losses and run.grad_norms == reference.grad_norms
+    for name in reference.weights:
+        assert np.array_equal(run.weights[name], reference.weights[name]), name
+
+
+def test_init_from_a_hub_name_reads_the_huggingface_hub_cache(tmp_path, gpt2_like, monkeypatch):
+    """A hub name goes through huggingface_hub's cache, laid out as `hf download` leaves it: offline
+    (HF_HUB_OFFLINE=1) a cached model opens from there, and one not cached fails at once, in one line naming the fix."""
+    import huggingface_hub.constants
+
+    folder, _ = gpt2_like
+    snapshot = tmp_path / "models--gpt2" / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(folder, snapshot)
+    (tmp_path / "models--gpt2" / "refs").mkdir()
+    (tmp_path / "models--gpt2" / "refs" / "main").write_text(snapshot.name)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert os.path.samefile(training.pretrained_folder("gpt2"), snapshot)
+    assert training.HuggingFaceCheckpoint("gpt2").config["n_layer"] == 2
+    start = time.time()
+    with pytest.raises(ValueError, match="'gpt2-xl' is no local folder, and the Hugging Face hub did not give it "
+                                         r"\(LocalEntryNotFoundError\): pass a folder") as error:
+        training.pretrained_folder("gpt2-xl")
+    assert time.time() - start < 5 and "\n" not in str(error.value)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                loss_parallel, parallelize_module)
 from torch.nn.parallel import DistributedDataParallel
 
-import gpt
 import training
 
 
@@ -28,12 +27,14 @@ def data_parallel(model, device, bucket_mb):
 
 
 @torch.no_grad()
-def materialise(model, config, seed, device):
-    """to_empty, then every (distributed) parameter's slice of gpt.initial_value: the weights of train_single.py."""
+def materialise(model, config, args, device):
+    """to_empty, then every (distributed) parameter's slice of its initial value, drawn by name or read from
+    --init_from (each rank reads every parameter whole, then keeps its slice): the weights of train_single.py."""
     model.to_empty(device=device)
     model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
+    initial_value = training.initial_values(config, args.seed, args.init_from)
     for name, param in model.named_parameters():
-        value = gpt.initial_value(name, param.shape, config, seed).to(device)
+        value = initial_value(name, param.shape).to(device)
         param.copy_(distribute_tensor(value, param.device_mesh, param.placements) if isinstance(param, DTensor)
                     else value)
 
@@ -49,7 +50,7 @@ def fully_shard_model(model, config, args, device):
     """train_fsdp.py --impl torch: (model, optimizer groups, clip function)."""
     shard_units(model, None, args)
     if not args.no_deferred_init:
-        materialise(model, config, args.seed, device)
+        materialise(model, config, args, device)
     return model, training.decay_groups(model.parameters()), partial(clip_grad_norm_, list(model.parameters()))
 
 
@@ -57,7 +58,7 @@ def tensor_parallel(model, config, args, device):
     """train_tp.py --impl torch: (model, optimizer groups, clip function)."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     parallelize_with_dtensor(model, mesh, args.sequence_parallel, not args.no_loss_parallel)
-    materialise(model, config, args.seed, device)
+    materialise(model, config, args, device)
     return model, training.decay_groups(model.parameters()), partial(clip_grad_norm_, list(model.parameters()))
 
 
@@ -66,7 +67,7 @@ def fully_shard_tensor_parallel(model, config, args, device, tp, dp):
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_with_dtensor(model, mesh["tp"], args.sequence_parallel, not args.no_loss_parallel)
     shard_units(model, mesh["dp"], args)
-    materialise(model, config, args.seed, device)
+    materialise(model, config, args, device)
     return model, training.decay_groups(model.parameters()), partial(clip_grad_norm_, list(model.parameters()))
 
 

@@ -83,10 +83,11 @@ def main(argv=None):
         train_tp.parallelize(model, tp_group, args.sequence_parallel, not args.no_loss_parallel,
                              dropout_seed=args.seed + 1000 * (1 + rank))
         tp_parts = {part.name: part for part in training.parameter_parts(model)}
+        value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
         model = train_fsdp.FullyShardedDataParallel(
             model, process_group=dp_group, device=device, compute_dtype=getattr(torch, args.dtype),
             reshard_after_forward=not args.no_reshard, tp_parts=tp_parts,
-            initial_value=lambda name, param: tp_parts[name].initial_value(config, args.seed))
+            initial_value=lambda name, param, flat: value(name, tp_parts[name].shape, tp_parts[name].box, flat))
         groups, parts = model.parameter_groups(), model.parts()
         clip_grad_norm = lambda limit: train_tp.clip_grad_norm_(parts, limit, tp_group)  # noqa: E731
     optimizer = training.make_optimizer(groups, args, device)

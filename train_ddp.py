@@ -147,11 +147,11 @@ def main(argv=None):
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
-    # ---- model: built on meta, materialised on the device, initialised by parameter name
+    # ---- model: built on meta, materialised on the device, initialised by parameter name (or from --init_from)
     with torch.device("meta"):
         model = gpt.GPT(config)
     model.to_empty(device=device)
-    model.init_weights(args.seed)
+    model.init_weights(args.seed, training.initial_values(config, args.seed, args.init_from))
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
 
     # ---- strategy: a whole replica on every rank, gradients averaged over the ranks during backward

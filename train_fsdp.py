@@ -46,9 +46,9 @@ class FlatParameter:
             offset += size
         shard = torch.zeros(self.shard_size, device=device)  # the padding stays zero: no gradient, no decay
         self.spans = [slice(0, 0)] * len(params)  # where each original parameter's piece sits in the shard
-        for index, begin, end, start in self.pieces:  # one original parameter at a time, never a unit
+        for index, begin, end, start in self.pieces:  # only its piece of one original parameter at a time
             self.spans[index] = slice(start, start + end - begin)
-            shard[self.spans[index]] = initial_value(self.names[index], params[index]).reshape(-1)[begin:end]
+            shard[self.spans[index]] = initial_value(self.names[index], params[index], (begin, end))
         self.shard = nn.Parameter(shard, requires_grad=params[0].requires_grad)
         self.locals = [nn.Parameter(self.shard.detach()[span], requires_grad=self.shard.requires_grad)
                        for span in self.spans]
@@ -105,9 +105,9 @@ class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 on any nn.Module. Units: the root module and each of `units` (default: its `blocks`; nested ones
     after their holders). A parameter belongs to the innermost unit holding every module using it: a weight tied
     across units lives in the root, gathered from the start of forward to the end of backward. Units compute in
-    `compute_dtype`; shards, AdamW and gradient reduction stay float32. initial_value(name, parameter): its full
-    value (default: the current one; required on meta). tp_parts: {name: training.Part} when the module is
-    tensor-parallel (train_2d.py), so that checkpoints place each shard inside the full tensor's slice."""
+    `compute_dtype`; shards, AdamW and gradient reduction stay float32. initial_value(name, parameter, flat): its
+    starting value's elements [flat[0], flat[1]), flattened (default: the current ones; required on meta). tp_parts:
+    {name: training.Part} when the module is tensor-parallel (train_2d.py): checkpoints place shards in its slices."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=None, tp_parts=None):
@@ -129,7 +129,7 @@ class FullyShardedDataParallel(nn.Module):
             holders = {owner[sub] for sub, _ in entry[2]}
             kind = (entry[1].requires_grad, entry[1].dim() >= 2)
             kinds[holders.pop() if len(holders) == 1 else 0].setdefault(kind, []).append(entry)
-        initial_value = initial_value or (lambda name, param: param.detach())
+        initial_value = initial_value or (lambda name, param, flat: param.detach().reshape(-1)[flat[0]:flat[1]])
         self.gathered = {}  # storage address of a gathered buffer -> its FlatParameter: the saved-tensor hooks' map
         self.units = [[FlatParameter(entries, self, device, initial_value) for entries in unit.values()]
                       for unit in kinds]
@@ -270,10 +270,11 @@ def main(argv=None):
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
     # ---- model: built on meta, left there for the strategy to materialise shard by shard (--no_deferred_init: whole)
+    value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
     with torch.device(device if args.no_deferred_init else "meta"):
         model = gpt.GPT(config)
     if args.no_deferred_init:
-        model.init_weights(args.seed)
+        model.init_weights(args.seed, value)
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
 
     # ---- strategy: each unit's parameters, gradients and AdamW state sharded over the ranks; gathered to compute
@@ -282,7 +283,7 @@ def main(argv=None):
         model, groups, clip_grad_norm = torch_reference.fully_shard_model(model, config, args, device)
         parts = None  # its checkpoints gather each tensor whole
     else:
-        initial_value = lambda name, param: gpt.initial_value(name, param.shape, config, args.seed)  # noqa: E731
+        initial_value = lambda name, param, flat: value(name, param.shape, flat=flat)  # noqa: E731
         model = FullyShardedDataParallel(model, device=device, compute_dtype=getattr(torch, args.dtype),
                                          reshard_after_forward=not args.no_reshard,
                                          initial_value=None if args.no_deferred_init else initial_value)

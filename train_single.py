@@ -30,11 +30,11 @@ def main(argv=None):
     checkpoint_path = training.checkpoint_to_resume(args)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
-    # ---- model: built on meta, materialised on the device, initialised by parameter name
+    # ---- model: built on meta, materialised on the device, initialised by parameter name (or from --init_from)
     with torch.device("meta"):
         model = gpt.GPT(config)
     model.to_empty(device=device)
-    model.init_weights(args.seed)
+    model.init_weights(args.seed, training.initial_values(config, args.seed, args.init_from))
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
 
     # ---- strategy: none; every parameter lives whole on this device

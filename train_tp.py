@@ -275,9 +275,9 @@ def main(argv=None):
         model.to_empty(device=device)
         model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
         parts = training.parameter_parts(model)
-        with torch.no_grad():  # each slice of gpt.initial_value: together the ranks hold train_single's weights
-            for part in parts:
-                part.tensor.copy_(part.initial_value(config, args.seed))
+        value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
+        for part in parts:  # each rank reads its own slices only: together the ranks hold train_single's weights
+            part.local().copy_(part.initial_value(value))
         groups = training.decay_groups(model.parameters())
         clip_grad_norm = lambda limit: clip_grad_norm_(parts, limit, dist.group.WORLD)  # noqa: E731
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))

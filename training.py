@@ -1,8 +1,9 @@
 """
 What every training script needs that is not the model: flags, device and threads, the process group and the
-ranks' fingerprint check, the batch sampler over token files, the LR schedule and optimizer groups, the
-checkpoint format, metrics and logging, and the tokenizer that prints a sample. No strategy code lives here: a
-script copied into another project needs gpt.py and this file, nothing else.
+ranks' fingerprint check, the batch sampler over token files, the LR schedule and optimizer groups, the initial
+values (drawn by name, or read from a Hugging Face checkpoint), the checkpoint format, metrics and logging, and the
+tokenizer that prints a sample. No strategy code lives here: a script copied into another project needs gpt.py and
+this file, nothing else.
 """
 
 import argparse
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 import gpt
@@ -34,7 +36,10 @@ DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dat
 
 def get_parser(description):
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny", help=f"preset: {', '.join(gpt.PRESETS)}")
+    p.add_argument("--model", default=None, help=f"preset: {', '.join(gpt.PRESETS)} (default tiny, or --init_from's)")
+    p.add_argument("--init_from", default=None,
+                   help="start from GPT-2's weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hugging Face hub) or a "
+                        "folder with config.json and model.safetensors; --resume of a checkpoint wins")
     p.add_argument("--data", default=DEFAULT_DATA_DIR, help="folder with train.bin, val.bin, meta.json")
     p.add_argument("--global_batch", type=int, default=16, help="sequences per optimizer step")
     p.add_argument("--micro_batch", type=int, default=None,
@@ -270,7 +275,9 @@ def load_data(args, dp_rank, dp_size, device, is_writer):
     train_data, val_data = (BatchSampler(os.path.join(args.data, f"{split}.bin"), args.block_size, args.global_batch,
                                          micro_batch, dp_rank, dp_size, args.seed, device)
                             for split in ("train", "val"))
-    config = gpt.make_config(args.model, meta["vocab_size"], args.block_size, args.dropout)
+    if args.init_from:
+        return meta, pretrained_config(args, meta), train_data, val_data
+    config = gpt.make_config(args.model or "tiny", meta["vocab_size"], args.block_size, args.dropout)
     return meta, config, train_data, val_data
 
 
@@ -390,6 +397,103 @@ def set_lr(optimizer, step, args):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Initial values: drawn by parameter name, or read from GPT-2's weights in the Hugging Face format (--init_from)
+
+
+def initial_values(config, seed, init_from=None):
+    """The one source of every layout's initial parameters: value(name, shape, box=None, flat=None) gives full[box]
+    (flattened, only elements [flat[0], flat[1]) when flat is given), where full, of `shape`, is parameter `name`'s
+    initial value: gpt.initial_value's, drawn from (seed, name), or with init_from (--init_from) the pretrained
+    checkpoint's. Each rank asks for its own part only, a whole parameter, a tensor-parallel slice (a box), an FSDP
+    shard (a flat range), and from a checkpoint only the rows holding that part are read."""
+    checkpoint = HuggingFaceCheckpoint(init_from) if init_from else None
+
+    def read(name, shape, box):
+        if checkpoint is None:
+            return gpt.initial_value(name, shape, config, seed)[tuple(slice(*b) for b in box)]
+        return gpt.read_hugging_face(name, box, config, checkpoint.read)
+
+    def value(name, shape, box=None, flat=None):
+        box = tuple((0, n) for n in shape) if box is None else tuple(box)
+        if flat is None:
+            return read(name, shape, box)
+        width = math.prod(stop - start for start, stop in box[1:])  # elements in a row of the box
+        first, last = flat[0] // width, -(-flat[1] // width)  # the rows that hold the flat range
+        (start, _), *columns = box
+        rows = read(name, shape, ((start + first, start + last), *columns)).reshape(-1)
+        return rows[flat[0] - first * width:flat[1] - first * width]
+
+    return value
+
+
+def pretrained_folder(name_or_path):
+    """A folder in the Hugging Face format: a local one, or a hub model's (gpt2 ... gpt2-xl, any GPT-2 repository)
+    downloaded into huggingface_hub's cache (under $HF_HOME; with HF_HUB_OFFLINE=1 only the cache is read)."""
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name_or_path, allow_patterns=["config.json", "model.safetensors"])
+    except Exception as error:
+        raise ValueError(f"--init_from {name_or_path!r} is no local folder, and the Hugging Face hub did not give it "
+                         f"({type(error).__name__}): pass a folder with config.json and model.safetensors, or download "
+                         f"it where the network allows (hf download {name_or_path} config.json model.safetensors) "
+                         "into the cache $HF_HOME names") from error
+
+
+class HuggingFaceCheckpoint:
+    """A GPT-2 in the Hugging Face format (config.json, model.safetensors), opened by its names and shapes alone.
+    read() maps the file, copies out one box and unmaps it: a rank holds, and touches, only the parts it asks for."""
+
+    def __init__(self, name_or_path):
+        folder = pretrained_folder(name_or_path)
+        self.path = os.path.join(folder, "model.safetensors")
+        if not (os.path.exists(self.path) and os.path.exists(os.path.join(folder, "config.json"))):
+            raise ValueError(f"--init_from {name_or_path!r}: {folder!r} holds no config.json and model.safetensors "
+                             "(the Hugging Face format)")
+        with open(os.path.join(folder, "config.json")) as f:
+            self.config = json.load(f)
+        with safe_open(self.path, framework="pt") as file:
+            self.shapes = {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}
+        # GPT2LMHeadModel.save_pretrained() names the body transformer.*; the hub's GPT-2 files do not.
+        self.prefix = "transformer." if "transformer.wte.weight" in self.shapes else ""
+
+    def read(self, name, box):
+        with safe_open(self.path, framework="pt") as file:
+            return file.get_slice(self.prefix + name)[tuple(slice(start, stop) for start, stop in box)]
+
+
+def pretrained_config(args, meta):
+    """The model of --init_from, from its config.json; refused, before any work, where a flag or the data contradict
+    it or its weights do not fit it."""
+    source = f"--init_from {args.init_from!r}"
+    checkpoint = HuggingFaceCheckpoint(args.init_from)
+    try:
+        config = gpt.config_from_hugging_face(checkpoint.config, args.block_size, args.dropout)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+    if args.model and gpt.make_config(args.model, config.vocab_size, config.block_size, config.dropout) != config:
+        raise ValueError(f"--model {args.model} contradicts {source} ({config.n_layer} layers, {config.n_head} heads, "
+                         f"{config.n_embd} wide): drop --model, the checkpoint's config.json defines the model")
+    if config.vocab_size != meta["vocab_size"]:
+        raise ValueError(f"{source} has a vocabulary of {config.vocab_size}, but --data {args.data!r} is tokenized "
+                         f"with {meta['tokenizer']} ({meta['vocab_size']}): prepare the data with the checkpoint's "
+                         "tokenizer (prepare_data.py --tokenizer gpt2 for GPT-2)")
+    with torch.device("meta"):
+        shapes = {name: param.shape for name, param in gpt.GPT(config).named_parameters()}
+    for name, shape in shapes.items():
+        stored, box, _ = gpt.hugging_face_box(name, [(0, n) for n in shape], config)
+        stored, found = checkpoint.prefix + stored, checkpoint.shapes.get(checkpoint.prefix + stored)
+        if found is None:
+            raise ValueError(f"{source}: model.safetensors has no {stored}: the weights do not match config.json")
+        if len(found) != len(box) or any(stop > n for (_, stop), n in zip(box, found)):
+            raise ValueError(f"{source}: model.safetensors' {stored} {found} cannot hold {name} {tuple(shape)}: the "
+                             "weights do not match config.json")
+    return config
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Checkpoints
 #
 # One format for every layout. A checkpoint is a folder `<out_dir>/ckpt-<step>` with one file per rank and a
@@ -416,9 +520,10 @@ class Part(NamedTuple):
         tensor = self.tensor if tensor is None else tensor
         return tensor.detach().view(-1)[self.start:self.start + self.flat[1] - self.flat[0]]
 
-    def initial_value(self, config, seed):
-        """This part's box of the parameter's initial value (for an FSDP shard, of its whole tensor-parallel slice)."""
-        return gpt.initial_value(self.name, self.shape, config, seed)[tuple(slice(*box) for box in self.box)]
+    def initial_value(self, value):
+        """This part's elements of the parameter's initial value, 1-D, from value = initial_values(...): only they
+        are read."""
+        return value(self.name, self.shape, self.box, self.flat)
 
     @property
     def sliced(self):
@@ -732,7 +837,8 @@ class Logger:
             print(self.prefix + text)
 
     def start(self, sampler, dp_size, start_step, layout=""):
-        self.print(f"{self.args.model}: {self.num_params / 1e6:.2f}M parameters | {self.world_size} rank"
+        model = self.args.init_from or self.args.model or "tiny"
+        self.print(f"{model}: {self.num_params / 1e6:.2f}M parameters | {self.world_size} rank"
                    f"{'s' * (self.world_size > 1)} on {self.device} | {layout}global batch {self.args.global_batch} = "
                    f"micro batch {sampler.micro_batch} x {sampler.accumulation} accumulation x {dp_size} data-parallel"
                    f" | {'resuming at step ' + str(start_step) if start_step else 'from scratch'}")
