@@ -41,6 +41,7 @@ sys.path.insert(0, HERE)
 import gpt  # noqa: E402
 import train_2d  # noqa: E402
 import prepare_data  # noqa: E402
+import sample  # noqa: E402
 import train_ddp  # noqa: E402
 import train_fsdp  # noqa: E402
 import train_single  # noqa: E402
@@ -858,6 +859,8 @@ def test_truncated_checkpoint_is_refused(corpus, tmp_path):
     (dict(data="/nonexistent/data"), "prepare_data.py"),
     (dict(model="gpt5"), "unknown --model"),
     (dict(global_batch=10, micro_batch=4), "not a multiple of --micro_batch"),
+    (dict(prompt="", sample_tokens=8), "--prompt is empty"),
+    (dict(temperature=0), "--temperature must be above 0"),
 ])
 def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
@@ -2013,6 +2016,23 @@ def test_every_layout_resumes_every_other(corpus, tmp_path, tmp_path_factory, sa
     run_distributed(ranks, main, flags(corpus, out_dir, ckpt_interval=SAVED_AT, resume=True, **extra))
     assert_runs_match(read_run(str(out_dir)), single_run(corpus, tmp_path_factory))
 
+
+@launches_its_own_ranks
+def test_sample_continues_a_prompt_from_any_layout_checkpoint(saved, capsys):
+    """sample.py loads any layout's checkpoint whole onto one device and continues --prompt: the checkpoints each
+    layout saved at step 3 (equal weights within float32 noise) all give the text gpt.generate gives from single's."""
+    texts = {}
+    for layout, out_dir in saved.items():
+        sample.main(["--out_dir", str(out_dir), "--prompt", "def ", "--sample_tokens", "40", "--device", "cpu"])
+        texts[layout] = capsys.readouterr().out
+    checkpoint = training.Checkpoint(training.latest_checkpoint(str(saved["single"])))
+    model = gpt.GPT(gpt.GPTConfig(**checkpoint.meta["config"]))
+    model.init_weights(0, lambda name, shape: checkpoint.full(name))
+    tokens = gpt.generate(model, torch.tensor([list(b"def ")]), 40, 32, 256, temperature=0.8, top_k=40, seed=1337)
+    expected = "sample:\n" + training.ByteTokenizer().decode(tokens[0].tolist()) + "\n"
+    assert texts == {layout: expected for layout in saved}
+    with pytest.raises(SystemExit, match="no checkpoint in"):
+        sample.main(["--out_dir", str(saved["single"]) + "-missing"])
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def get_parser(description):
     p.add_argument("--ckpt_interval", type=int, default=100, help="steps between checkpoints (and one at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir, if any")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--sample_tokens", type=int, default=200, help="tokens generated at the end; 0 skips it")
+    add_sampling_flags(p)
     p.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait before the run fails")
     p.add_argument("--log_all_ranks", action="store_true", help="every rank prints its progress, not only rank 0")
     p.add_argument("--tensorboard", action="store_true")
@@ -73,11 +73,26 @@ def get_parser(description):
     return p
 
 
+def add_sampling_flags(p):
+    """The flags of a sample: after training (train_*.py) or from a checkpoint (sample.py)."""
+    p.add_argument("--sample_tokens", type=int, default=200, help="tokens generated; 0 skips the sample")
+    p.add_argument("--prompt", default="\n", help="the text the sample continues")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top_k", type=int, default=40, help="sample from the k likeliest tokens; 0: from all")
+
+
+def check_sampling_flags(args):
+    if args.sample_tokens and not args.prompt:
+        raise ValueError("--prompt is empty: a sample continues at least one character (the default is a newline)")
+    if args.temperature <= 0 or args.top_k < 0:
+        raise ValueError("--temperature must be above 0 and --top_k 0 (every token) or more")
+
+
 def get_device(args, local_rank=0):
     """--device (auto: CUDA when there is one) and --tf32. TF32 rounds float32 matmul inputs to 10 mantissa bits
     (~1e-3 relative): faster on Ampere and later GPUs, but two float32 layouts then differ by far more than their
     reduction order, so it is on only when asked for."""
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = getattr(args, "tf32", False)
     choice = args.device
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
@@ -275,6 +290,7 @@ def load_data(args, dp_rank, dp_size, device, is_writer):
     train_data, val_data = (BatchSampler(os.path.join(args.data, f"{split}.bin"), args.block_size, args.global_batch,
                                          micro_batch, dp_rank, dp_size, args.seed, device)
                             for split in ("train", "val"))
+    check_sampling_flags(args)
     if args.init_from:
         return meta, pretrained_config(args, meta), train_data, val_data
     config = gpt.make_config(args.model or "tiny", meta["vocab_size"], args.block_size, args.dropout)
@@ -323,14 +339,15 @@ def sampling_hooks(model, multiple, gather):
 
 
 def sample(model, meta, args, device, autocast, show):
-    """Print --sample_tokens generated after a newline. Every rank of a sharded model calls it (each forward
+    """Print --sample_tokens generated after --prompt. Every rank of a sharded model calls it (each forward
     needs them all); the seeded sampler makes them draw the same tokens; `show` picks the one that prints."""
     if not args.sample_tokens:
         return
     tokenizer = get_tokenizer(meta["tokenizer"])
-    prompt = torch.tensor([tokenizer.encode("\n")], device=device)
+    prompt = torch.tensor([tokenizer.encode(args.prompt)], device=device)
     with autocast:
-        out = gpt.generate(model, prompt, args.sample_tokens, args.block_size, meta["vocab_size"], seed=args.seed)
+        out = gpt.generate(model, prompt, args.sample_tokens, args.block_size, meta["vocab_size"], args.temperature,
+                           args.top_k, seed=args.seed)
     if show:
         print("sample:\n" + tokenizer.decode(out[0].tolist()))
 
@@ -682,10 +699,11 @@ class Checkpoint:
 
 @torch.no_grad()
 def load_checkpoint(checkpoint, parts, optimizer, config):
-    """Fill this rank's parts (parameters and AdamW moments) from a checkpoint of any layout. Everything is
-    checked before the first tensor is touched, so a refused checkpoint leaves the model as it was."""
+    """Fill this rank's parts (parameters, and AdamW moments unless optimizer is None) from a checkpoint of any
+    layout. Everything is checked before the first tensor is touched, so a refused checkpoint leaves the model as it
+    was."""
     shapes = {part.name: part.shape for part in parts}
-    with_moments = f"exp_avg/{parts[0].name}" in checkpoint.pieces
+    with_moments = optimizer is not None and f"exp_avg/{parts[0].name}" in checkpoint.pieces
     if with_moments:
         shapes.update({f"{m}/{name}": shape for name, shape in list(shapes.items()) for m in ("exp_avg", "exp_avg_sq")})
     checkpoint.check(config, shapes)

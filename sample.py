@@ -1,0 +1,52 @@
+"""
+Sample from the latest checkpoint of a run of any layout (train_single, ddp, fsdp, tp or 2d: they share one
+checkpoint format), on one device, without training.
+
+    python sample.py --out_dir out/gpt2-finetuned --prompt "ROMEO:" --sample_tokens 200 --temperature 0.8 --top_k 40
+"""
+
+import argparse
+from contextlib import nullcontext
+
+import torch
+
+import gpt
+import training
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", required=True, help="a training run's --out_dir: its latest checkpoint is read")
+    p.add_argument("--data", default=None, help="prepared folder whose meta.json names the tokenizer (default: "
+                                                "the run's --data)")
+    training.add_sampling_flags(p)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = p.parse_args(argv)
+    training.check_sampling_flags(args)
+
+    path = training.latest_checkpoint(args.out_dir)
+    if path is None:
+        raise SystemExit(f"no checkpoint in {args.out_dir!r}: pass the --out_dir of a training run")
+    checkpoint = training.Checkpoint(path)
+    config = gpt.GPTConfig(**checkpoint.meta["config"])
+    meta = training.load_meta(args.data or checkpoint.meta["args"]["data"])
+    if meta["vocab_size"] != config.vocab_size:
+        raise ValueError(f"the checkpoint's vocabulary is {config.vocab_size} tokens, --data's tokenizer "
+                         f"{meta['tokenizer']} has {meta['vocab_size']}: pass the --data it was trained on")
+    args.block_size = config.block_size  # the context it was trained with: training.sample keeps that many tokens
+    device = training.get_device(args.device)
+
+    # ---- model: built on meta, materialised on the device, every tensor whole from the pieces of any layout
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    model.to_empty(device=device)
+    model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
+    training.load_checkpoint(checkpoint, training.parameter_parts(model), None, config)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
+    training.sample(model, meta, args, device, autocast, show=True)
+
+
+if __name__ == "__main__":
+    main()
