@@ -15,7 +15,7 @@ import training
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out_dir", required=True, help="a training run's --out_dir: its latest checkpoint is read")
     p.add_argument("--data", default=None, help="prepared folder whose meta.json names the tokenizer (default: "
                                                 "the run's --data)")

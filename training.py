@@ -461,7 +461,7 @@ def pretrained_folder(name_or_path):
 
 class HuggingFaceCheckpoint:
     """A GPT-2 in the Hugging Face format (config.json, model.safetensors), opened by its names and shapes alone.
-    read() maps the file, copies out one box and unmaps it: a rank holds, and touches, only the parts it asks for."""
+    read() maps the file, copies one box out of it and unmaps it: a rank holds only the parts it asks for."""
 
     def __init__(self, name_or_path):
         folder = pretrained_folder(name_or_path)
@@ -477,8 +477,8 @@ class HuggingFaceCheckpoint:
         self.prefix = "transformer." if "transformer.wte.weight" in self.shapes else ""
 
     def read(self, name, box):
-        with safe_open(self.path, framework="pt") as file:
-            return file.get_slice(self.prefix + name)[tuple(slice(start, stop) for start, stop in box)]
+        with safe_open(self.path, framework="pt") as file:  # a slice may be a view into the mapping: copy it out
+            return file.get_slice(self.prefix + name)[tuple(slice(start, stop) for start, stop in box)].clone()
 
 
 def pretrained_config(args, meta):
