@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 import gpt
 
 DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "default")
+IMPORTED = time.perf_counter()  # Logger.start reports the time from here to the first step: data, model, init, resume
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -856,10 +857,13 @@ class Logger:
 
     def start(self, sampler, dp_size, start_step, layout=""):
         model = self.args.init_from or self.args.model or "tiny"
+        origin = (f"resuming at step {start_step}" if start_step else
+                  f"from {self.args.init_from}'s weights" if self.args.init_from else "from scratch")
         self.print(f"{model}: {self.num_params / 1e6:.2f}M parameters | {self.world_size} rank"
                    f"{'s' * (self.world_size > 1)} on {self.device} | {layout}global batch {self.args.global_batch} = "
                    f"micro batch {sampler.micro_batch} x {sampler.accumulation} accumulation x {dp_size} data-parallel"
-                   f" | {'resuming at step ' + str(start_step) if start_step else 'from scratch'}")
+                   f" | {origin} | ready in {time.perf_counter() - IMPORTED:.1f} s, peak "
+                   f"{peak_memory_mb(self.device):,.0f} MB")
 
     def due(self, step, val_loss):
         return step % self.args.log_interval == 0 or step + 1 == self.args.max_steps or val_loss is not None
