@@ -230,8 +230,8 @@ def hugging_face_box(name, box, config):
 
 def read_hugging_face(name, box, config, read):
     """The box of parameter `name` from a Hugging Face GPT-2 checkpoint, reading nothing else: read(stored name, box)
-    gives stored[box] (safetensors' get_slice copies out just that region). Padding rows of wte are zeros: no token
-    ever looks them up, and the loss and sampling leave their classes out."""
+    gives stored[box] (training.HuggingFaceCheckpoint copies just that region out of the file). Padding rows of wte
+    are zeros: no token ever looks them up, and the loss and sampling leave their classes out."""
     stored, stored_box, transposed = hugging_face_box(name, box, config)
     value = read(stored, stored_box).float()
     value = value.t() if transposed else value
