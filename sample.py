@@ -36,7 +36,7 @@ def main(argv=None):
         raise ValueError(f"the checkpoint's vocabulary is {config.vocab_size} tokens, --data's tokenizer "
                          f"{meta['tokenizer']} has {meta['vocab_size']}: pass the --data it was trained on")
     args.block_size = config.block_size  # the context it was trained with: training.sample keeps that many tokens
-    device = training.get_device(args.device)
+    device = training.get_device(args)
 
     # ---- model: built on meta, materialised on the device, every tensor whole from the pieces of any layout
     with torch.device("meta"):

@@ -283,10 +283,9 @@ def main(argv=None):
         model, groups, clip_grad_norm = torch_reference.fully_shard_model(model, config, args, device)
         parts = None  # its checkpoints gather each tensor whole
     else:
-        initial_value = lambda name, param, flat: value(name, param.shape, flat=flat)  # noqa: E731
         model = FullyShardedDataParallel(model, device=device, compute_dtype=getattr(torch, args.dtype),
-                                         reshard_after_forward=not args.no_reshard,
-                                         initial_value=None if args.no_deferred_init else initial_value)
+                                         reshard_after_forward=not args.no_reshard,  # by name: on meta or not
+                                         initial_value=lambda name, param, flat: value(name, param.shape, flat=flat))
         groups, clip_grad_norm, parts = model.parameter_groups(), model.clip_grad_norm_, model.parts()
     optimizer = training.make_optimizer(groups, args, device)
     forward = training.compile_blocks(model) if args.compile else model
