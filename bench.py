@@ -255,19 +255,21 @@ def gpu_check(args, tmp):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategies", default="single,ddp,fsdp,tp,2d")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--data", default=training.DEFAULT_DATA_DIR)
-    p.add_argument("--block_size", type=int, default=128)
-    p.add_argument("--global_batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=30)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=training.HelpFormatter)
+    p.add_argument("--strategies", default="single,ddp,fsdp,tp,2d", help="comma-separated strategies to run")
+    p.add_argument("--model", default="tiny", choices=list(gpt.PRESETS), help="model size, from gpt.py's presets")
+    p.add_argument("--data", default=training.DEFAULT_DATA_DIR,
+                   help="prepared data folder (default: the embedded corpus, built on first use)")
+    p.add_argument("--block_size", type=int, default=128, help="context length, in tokens")
+    p.add_argument("--global_batch", type=int, default=16, help="sequences per optimizer step")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps of each run")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--bucket_mb", type=float, default=25)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each strategy and implementation; the best counts")
+    p.add_argument("--bucket_mb", type=float, default=25, help="DDP's largest gradient bucket, in MiB")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="bfloat16: autocast, float32 master weights")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (and for the single baseline)")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--gpu_check", action="store_true", help="check this machine's GPU path and speed (see gpu_check)")

@@ -11,7 +11,6 @@ The training scripts read the files through np.memmap, so a corpus larger than m
 meta.json is written last: its presence means the folder is complete.
 """
 
-import argparse
 import json
 import os
 import socket
@@ -21,7 +20,7 @@ import urllib.request
 
 import numpy as np
 
-from training import ByteTokenizer, get_tokenizer
+from training import ArgumentParser, ByteTokenizer, HelpFormatter, UsageError, checked, get_tokenizer, positive_int, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -29,6 +28,7 @@ HF_DATASETS = {
     "openwebtext": dict(path="Skylion007/openwebtext"),
     "fineweb-edu": dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT"),
 }
+fraction = checked(float, lambda x: 0 < x < 1, "a number between 0 and 1")
 OFFLINE_OPTIONS = ("offline you can run `python prepare_data.py` (the embedded default corpus) "
                    "or `python prepare_data.py --input PATH` on local text files")
 
@@ -86,7 +86,7 @@ def check_network(host):
     try:
         socket.create_connection((host, 443), timeout=5).close()
     except OSError as error:
-        raise SystemExit(f"cannot reach {host} ({error}); {OFFLINE_OPTIONS}")
+        raise UsageError(f"cannot reach {host} ({error}); {OFFLINE_OPTIONS}")
 
 
 def prepare_shakespeare(out_dir, tokenizer):
@@ -140,29 +140,31 @@ def prepare_local(path, out_dir, tokenizer, num_proc, val_fraction):
     elif os.path.isfile(path):
         files = [path]
     else:
-        raise SystemExit(f"--input {path!r}: no such file or folder")
+        raise UsageError(f"--input {path!r}: no such file or folder")
     if not files:
-        raise SystemExit(f"--input {path!r}: the folder holds no files")
+        raise UsageError(f"--input {path!r}: the folder holds no files")
     dataset = datasets.load_dataset("text", data_files=files, split="train", keep_linebreaks=True)
     return tokenize_dataset(dataset, tokenizer, num_proc, out_dir, os.path.abspath(path), val_fraction)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", choices=["default", "shakespeare", "openwebtext", "fineweb-edu"], default="default")
-    p.add_argument("--input", help="a local text file or folder (instead of --dataset)")
+    p = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--dataset", choices=["default", "shakespeare", "openwebtext", "fineweb-edu"], default="default",
+                   help="the corpus to prepare (default: the embedded one, this Python's standard library)")
+    p.add_argument("--input", help="a local text file or folder of them, instead of --dataset")
     p.add_argument("--tokenizer", choices=["gpt2", "byte"], default=None,
                    help="default: byte for the embedded corpus, gpt2 otherwise")
-    p.add_argument("--out_dir", default=None, help="default: data/<dataset> next to this file")
-    p.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 1) // 2))
-    p.add_argument("--val_fraction", type=float, default=0.005)
+    p.add_argument("--out_dir", default=None, help="default: data/<dataset>, or data/input, next to this file")
+    p.add_argument("--num_proc", type=positive_int, default=max(1, (os.cpu_count() or 1) // 2),
+                   help="processes that tokenize")
+    p.add_argument("--val_fraction", type=fraction, default=0.005, help="share of the rows held out for validation")
     args = p.parse_args(argv)
 
     name = "input" if args.input else args.dataset
     out_dir = args.out_dir or os.path.join(HERE, "data", name)
     if name == "default":
         if args.tokenizer not in (None, "byte"):
-            raise SystemExit("the embedded default corpus uses the byte tokenizer; pass --input for gpt2 on local text")
+            raise UsageError("the embedded default corpus uses the byte tokenizer; pass --input for gpt2 on local text")
         return prepare_default(out_dir)
     if not args.input:
         check_network("raw.githubusercontent.com" if name == "shakespeare" else "huggingface.co")
@@ -178,4 +180,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

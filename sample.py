@@ -33,7 +33,7 @@ def main(argv=None):
     config = gpt.GPTConfig(**checkpoint.meta["config"])
     meta = training.load_meta(args.data or checkpoint.meta["args"]["data"])
     if meta["vocab_size"] != config.vocab_size:
-        raise ValueError(f"the checkpoint's vocabulary is {config.vocab_size} tokens, --data's tokenizer "
+        raise training.UsageError(f"the checkpoint's vocabulary is {config.vocab_size} tokens, --data's tokenizer "
                          f"{meta['tokenizer']} has {meta['vocab_size']}: pass the --data it was trained on")
     args.block_size = config.block_size  # the context it was trained with: training.sample keeps that many tokens
     device = training.get_device(args)

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import bench  # noqa: E402
 import gpt  # noqa: E402
 import train_2d  # noqa: E402
 import prepare_data  # noqa: E402
@@ -696,7 +697,7 @@ def test_prepare_data_local_text(tmp_path):
 
 
 def test_prepare_data_missing_input_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="no such file or folder"):
+    with pytest.raises(training.UsageError, match="no such file or folder"):
         prepare_data.main(["--input", str(tmp_path / "nope"), "--tokenizer", "byte", "--out_dir", str(tmp_path)])
 
 
@@ -707,7 +708,7 @@ def test_download_without_network_fails_at_once_naming_offline_options(tmp_path,
     monkeypatch.setattr(socket, "create_connection", unreachable)
     for dataset in ("shakespeare", "openwebtext", "fineweb-edu"):
         start = time.time()
-        with pytest.raises(SystemExit, match="--input PATH"):
+        with pytest.raises(training.UsageError, match="--input PATH"):
             prepare_data.main(["--dataset", dataset, "--out_dir", str(tmp_path)])
         assert time.time() - start < 5
     assert not os.path.exists(tmp_path / "meta.json")
@@ -788,8 +789,9 @@ def test_bfloat16_autocast_and_sampling(corpus, tmp_path, capsys):
 def test_missing_optional_package_is_a_clear_error(corpus, tmp_path, extra, package, message):
     if package and importlib.util.find_spec(package):
         pytest.skip(f"{package} is installed")
-    with pytest.raises(RuntimeError, match=message):
-        train_single.main(flags(corpus, tmp_path, max_steps=1, **extra))
+    with pytest.raises(training.UsageError, match=message):
+        train_single.main(flags(corpus, tmp_path / "out", max_steps=1, **extra))
+    assert not os.path.exists(tmp_path / "out")  # refused before anything was created
 
 
 def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch):
@@ -832,7 +834,7 @@ def test_checkpoint_killed_mid_write_leaves_the_previous_one(corpus, tmp_path, m
     latest = training.latest_checkpoint(str(tmp_path))
     assert latest.endswith("ckpt-0000002")
     training.Checkpoint(latest)  # loads whole
-    with pytest.raises(SystemExit, match="pass --resume"):  # a new run never overwrites what is saved
+    with pytest.raises(training.UsageError, match="pass --resume"):  # a new run never overwrites what is saved
         train_single.main(flags(corpus, tmp_path, max_steps=6, ckpt_interval=2))
     train_single.main(flags(corpus, tmp_path, max_steps=6, ckpt_interval=2, resume=True))
     assert training.latest_checkpoint(str(tmp_path)).endswith("ckpt-0000006")
@@ -857,14 +859,125 @@ def test_truncated_checkpoint_is_refused(corpus, tmp_path):
 
 @pytest.mark.parametrize("bad, message", [
     (dict(data="/nonexistent/data"), "prepare_data.py"),
-    (dict(model="gpt5"), "unknown --model"),
+    (dict(model="gpt5"), "invalid choice: 'gpt5'"),
     (dict(global_batch=10, micro_batch=4), "not a multiple of --micro_batch"),
     (dict(prompt="", sample_tokens=8), "--prompt is empty"),
     (dict(temperature=0), "--temperature must be above 0"),
 ])
 def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
-    with pytest.raises((ValueError, FileNotFoundError), match=message):
+    with pytest.raises(training.UsageError, match=message):
         train_single.main(flags(corpus, tmp_path, **bad))
+
+
+SCRIPTS = [train_single, train_ddp, train_fsdp, train_tp, train_2d, prepare_data, bench]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.__name__)
+def test_help_keeps_the_examples_and_explains_every_flag(script, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.setattr(sys, "argv", [script.__name__ + ".py", "--help"])  # bench.py reads sys.argv
+    with pytest.raises(SystemExit) as exit:
+        script.main(["--help"]) if script is not bench else script.main()
+    text = capsys.readouterr().out
+    assert exit.value.code == 0
+    with open(script.__file__) as f:
+        docstring = f.read().split('"""')[1]  # as written in the file: a backslash at a line end is kept
+    examples = [line for line in docstring.splitlines() if line.startswith("    ")]
+    assert examples and all(line in text.splitlines() for line in examples), "examples reflowed"
+    for flag in re.split(r"\n(?=  -)", text.split("options:\n", 1)[1].strip("\n")):
+        signature, _, explanation = flag.strip().partition("  ")  # argparse sets them apart by 2 spaces or more
+        assert explanation.strip(), f"{signature} has no help"
+        assert explanation.count("default:") <= 1 and "(default: None)" not in explanation, flag
+
+
+def command_line(main, argv, capsys):
+    """main(argv) as the command line runs it, through training.run: (exit code, what it printed)."""
+    try:
+        training.run(lambda: main(argv))
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    printed = capsys.readouterr()
+    return code, printed.out + printed.err
+
+
+@pytest.mark.parametrize("main, bad, message", [
+    (train_single.main, dict(block_size=0), "argument --block_size: must be a whole number > 0, not '0'"),
+    (train_single.main, dict(block_size=-5), "argument --block_size: must be a whole number > 0, not '-5'"),
+    (train_single.main, dict(global_batch=0), "argument --global_batch: must be a whole number > 0"),
+    (train_single.main, dict(micro_batch=0), "argument --micro_batch: must be a whole number > 0"),
+    (train_single.main, dict(max_steps=0), "argument --max_steps: must be a whole number > 0"),
+    (train_single.main, dict(warmup_steps=-1), "argument --warmup_steps: must be a whole number >= 0"),
+    (train_single.main, dict(eval_interval=-1), "argument --eval_interval: must be a whole number >= 0"),
+    (train_single.main, dict(eval_iters=0), "argument --eval_iters: must be a whole number > 0"),
+    (train_single.main, dict(log_interval=0), "argument --log_interval: must be a whole number > 0"),
+    (train_single.main, dict(ckpt_interval=-1), "argument --ckpt_interval: must be a whole number >= 0"),
+    (train_single.main, dict(sample_tokens=-1), "argument --sample_tokens: must be a whole number >= 0"),
+    (train_single.main, dict(dropout=1), "argument --dropout: must be a probability in [0, 1), not '1'"),
+    (train_single.main, dict(dropout=-0.1), "argument --dropout: must be a probability in [0, 1)"),
+    (train_single.main, dict(lr=0), "argument --lr: must be a number > 0, not '0'"),
+    (train_single.main, dict(lr="nan"), "argument --lr: must be a number > 0, not 'nan'"),
+    (train_single.main, dict(min_lr=-1), "argument --min_lr: must be a number >= 0"),
+    (train_single.main, dict(weight_decay=-1), "argument --weight_decay: must be a number >= 0"),
+    (train_single.main, dict(grad_clip="inf"), "argument --grad_clip: must be a number >= 0, not 'inf'"),
+    (train_single.main, dict(timeout=0), "argument --timeout: must be a number > 0"),
+    (train_single.main, dict(seed="x"), "argument --seed: invalid int value: 'x'"),
+    (train_single.main, dict(min_lr=0.01, lr=0.001), "--min_lr 0.01 is above --lr 0.001"),
+    (train_single.main, dict(model="gpt5"), "argument --model: invalid choice: 'gpt5'"),
+    (train_single.main, dict(lrr=1), "unrecognized arguments: --lrr 1"),
+    (train_single.main, dict(data="/nonexistent"), "no prepared data in '/nonexistent'"),
+    (train_single.main, dict(global_batch=10, micro_batch=4), "--global_batch 10 is not a multiple of --micro_batch 4"),
+    (train_single.main, dict(block_size=10**8), "fewer than --block_size 100000000 + 2"),
+    (train_single.main, dict(attn="flash"), "--attn flash needs the flash-attn package"),
+    (train_ddp.main, dict(bucket_mb=0), "argument --bucket_mb: must be a number > 0"),
+    (train_ddp.main, dict(impl="torch", resume=True), "--resume is implemented for --impl ours only"),
+    (train_tp.main, dict(tp=0), "argument --tp: must be a whole number > 0"),
+    (train_2d.main, dict(dp=-1), "argument --dp: must be a whole number > 0"),
+    (train_2d.main, {}, "--tp 2 x --dp 1 = 2 ranks, but the world has 1: launch it with torchrun --nproc_per_node=2"),
+])
+def test_bad_flags_are_one_line_errors(corpus, tmp_path, capsys, main, bad, message):
+    """Every bad flag, as the command line reports it: one line, no traceback, exit code 2, nothing created."""
+    code, printed = command_line(main, flags(corpus, tmp_path / "out", **bad), capsys)
+    assert code == 2 and printed.startswith("error: ") and printed.count("\n") == 1 and message in printed, printed
+    assert "Traceback" not in printed and not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("main, world_size, bad, message", [
+    (train_ddp.main, 2, dict(micro_batch=None, global_batch=3), "--global_batch 3 does not split over 2 data-parallel"),
+    (train_fsdp.main, 4, dict(global_batch=16, micro_batch=3), "not a multiple of --micro_batch 3 x data-parallel "),
+    (train_tp.main, 2, dict(tp=4), "--tp 4 with 2 ranks: train_tp.py is tensor-parallel only"),
+    (train_2d.main, 4, dict(tp=2, dp=3), "--tp 2 x --dp 3 = 6 ranks, but the world has 4: choose --tp and --dp"),
+])
+def test_layout_errors_come_before_any_collective(corpus, tmp_path, capsys, monkeypatch, main, world_size, bad,
+                                                  message):
+    """A rank of a launched world refuses a layout alone, before joining the process group: nothing to hang on."""
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world_size))
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: pytest.fail("joined the group"))
+    code, printed = command_line(main, flags(corpus, tmp_path / "out", **bad), capsys)
+    assert code == 2 and printed.startswith("error: ") and message in printed and printed.count("\n") == 1, printed
+
+
+@pytest.mark.parametrize("package", ["tensorboard", "wandb"])
+def test_missing_logger_package_is_one_line_before_anything_is_created(corpus, tmp_path, capsys, monkeypatch,
+                                                                        package):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == package
+                        else real_find_spec(name, *args))
+    code, printed = command_line(train_single.main, flags(corpus, tmp_path / "out", **{package: True}), capsys)
+    assert (code, printed) == (2, f"error: --{package} needs the {package} package: pip install {package}\n")
+    assert not os.path.exists(tmp_path / "out")
+
+
+@launches_its_own_ranks
+def test_data_parallel_scripts_run_without_torchrun(corpus, tmp_path, capsys):
+    """`python train_ddp.py` (no RANK in the environment) is a world of one process; train_2d.py's grid needs
+    torchrun, and says so (test_bad_flags_are_one_line_errors)."""
+    assert "RANK" not in os.environ
+    for main in (train_ddp.main, train_fsdp.main, train_tp.main):
+        code, printed = command_line(main, flags(corpus, tmp_path / main.__module__, max_steps=1), capsys)
+        assert code == 0 and "| 1 rank on cpu |" in printed, printed
+        assert not dist.is_initialized()  # the script's own group, destroyed at its end
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -2396,10 +2509,11 @@ def launcher(tmp_path):
     included, so a failed test never leaves a process behind."""
     launches = []
 
-    def start(*torchrun_args, **env_overrides):
+    def start(*torchrun_args, via_torchrun=True, **env_overrides):
         log = open(tmp_path / f"launch{len(launches)}.log", "w+")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_overrides)  # one thread a rank
-        process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun_args], cwd=HERE,
+        launch = ["-m", "torch.distributed.run"] if via_torchrun else []  # else torchrun_args: a plain `python ...`
+        process = subprocess.Popen([sys.executable, *launch, *torchrun_args], cwd=HERE,
                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         launches.append(Launch(process, log))
         return launches[-1]
@@ -2634,6 +2748,42 @@ def test_ranks_that_disagree_stop_at_start(corpus, tmp_path, disagreement):
     assert f"ranks [1] run other {disagreement}" in output, output[-5000:]
     assert "step     0" not in output
     assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")
+
+
+def running_with(text):
+    """Processes whose command line holds text (a test's own folder): what a launch may have left running."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if text in f.read().decode(errors="replace") and int(pid) != os.getpid():
+                found.append(int(pid))
+    return found
+
+
+@launches_its_own_ranks
+@pytest.mark.parametrize("ranks, script, bad, message", [
+    (1, "train_single.py", dict(block_size=-5), "argument --block_size: must be a whole number > 0, not '-5'"),
+    (2, "train_tp.py", dict(tp=4), "--tp 4 with 2 ranks: train_tp.py is tensor-parallel only"),
+    (2, "train_ddp.py", dict(global_batch=3, micro_batch=None), "--global_batch 3 does not split over 2 data-parallel"),
+])
+def test_bad_launch_is_one_line_from_one_rank(corpus, tmp_path, ranks, script, bad, message):
+    """Under torchrun, the ranks' whole output is one line; torchrun's own summary (printed for any failed job)
+    names rank 0 with that line, and no rank prints a traceback. Nothing is created, nothing keeps running."""
+    out_dir = tmp_path / "out"
+    argv = flags(corpus, out_dir, **bad)
+    with launcher(tmp_path) as start:
+        launch = start(script, *argv, via_torchrun=False) if ranks == 1 else start(*standalone(ranks, script, argv))
+        code, output, _ = launch.wait()
+    ours = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code != 0 and len(ours) == 1 and message in ours[0], output
+    assert "UsageError" not in output and f'File "{os.path.join(HERE, script)}"' not in output, output
+    if ranks == 1:
+        assert (code, output) == (2, ours[0] + "\n")
+    else:
+        root_cause = output.split("Root Cause")[-1]
+        assert "rank      : 0 (local_rank: 0)" in root_cause and "exitcode  : 2" in root_cause, output
+        assert f"traceback : {ours[0]}" in root_cause, output
+    assert not os.path.exists(out_dir) and not running_with(str(out_dir))
 
 
 def _resume_refused(argv):

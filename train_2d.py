@@ -17,7 +17,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
 import gpt
 import train_fsdp
@@ -40,14 +39,13 @@ def new_groups(tp, dp):
     return tuple(mine)
 
 
-@record  # under torchrun, the error file names the failing rank with its traceback
 def main(argv=None):
     parser = training.get_parser(__doc__)
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="torch: DTensor + FSDP2 on a DeviceMesh")
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks inside a node)")
-    parser.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / --tp)")
-    parser.add_argument("--sequence_parallel", action="store_true")
+    parser.add_argument("--tp", type=training.positive_int, default=2, help="tensor-parallel size (inside a node)")
+    parser.add_argument("--dp", type=training.positive_int, help="data-parallel size (default: world size / --tp)")
+    parser.add_argument("--sequence_parallel", action="store_true", help="layer norms and dropout on sequence shards")
     parser.add_argument("--no_loss_parallel", action="store_true", help="gather the logits instead")
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
     args = parser.parse_args(argv)
@@ -56,8 +54,9 @@ def main(argv=None):
     rank, local_rank, world_size = training.launched_rank()
     tp, dp = args.tp, args.dp or max(1, world_size // args.tp)
     if tp * dp != world_size:
-        raise ValueError(f"--tp {tp} x --dp {dp} = {tp * dp} ranks, but the world has {world_size}: "
-                         f"choose --tp and --dp whose product is {world_size}")
+        launch = f"launch it with torchrun --nproc_per_node={tp * dp}" if world_size == 1 else \
+            f"choose --tp and --dp whose product is {world_size}"
+        raise training.UsageError(f"--tp {tp} x --dp {dp} = {tp * dp} ranks, but the world has {world_size}: {launch}")
     dp_rank, dp_size = rank // tp, dp
     device = training.get_device(args, local_rank)
 
@@ -135,4 +134,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    training.run(main)

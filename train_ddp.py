@@ -1,4 +1,4 @@
-"""
+r"""
 Data parallel, by hand: every rank holds the whole model and trains on its own rows of the global batch; gradients
 are averaged over the ranks by bucketed all-reduces that overlap the backward pass.
 
@@ -18,7 +18,6 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.elastic.multiprocessing.errors import record
 
 import gpt
 import training
@@ -128,12 +127,11 @@ class DataParallel(nn.Module):
             bucket.work = None
 
 
-@record  # under torchrun, the error file names the failing rank with its traceback
 def main(argv=None):
     parser = training.get_parser(__doc__)
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="ours: DataParallel above; torch: torch.nn.parallel.DistributedDataParallel")
-    parser.add_argument("--bucket_mb", type=float, default=25, help="largest gradient bucket, in MiB")
+    parser.add_argument("--bucket_mb", type=training.positive, default=25, help="largest gradient bucket, in MiB")
     args = parser.parse_args(argv)
 
     # ---- process groups: every rank is one data-parallel rank holding the whole model
@@ -202,4 +200,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    training.run(main)

@@ -17,7 +17,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils._pytree import tree_leaves
 
 import gpt
@@ -248,7 +247,6 @@ class FullyShardedDataParallel(nn.Module):
         return parts
 
 
-@record  # under torchrun, the error file names the failing rank with its traceback
 def main(argv=None):
     parser = training.get_parser(__doc__)
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
@@ -327,4 +325,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    training.run(main)

@@ -11,13 +11,11 @@ import time
 from contextlib import nullcontext
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
 import gpt
 import training
 
 
-@record  # under torchrun, the error file names the failing rank with its traceback
 def main(argv=None):
     args = training.get_parser(__doc__).parse_args(argv)
 
@@ -74,4 +72,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    training.run(main)

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.elastic.multiprocessing.errors import record
 
 import gpt
 import training
@@ -238,11 +237,11 @@ def clip_grad_norm_(parts, max_norm, tp_group):
     return training.clip_grad_norm_(counted, grads, max_norm)
 
 
-@record  # under torchrun, the error file names the failing rank with its traceback
 def main(argv=None):
     parser = training.get_parser(__doc__)
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: DTensor parallelize_module")
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (here it must be the world size)")
+    parser.add_argument("--tp", type=training.positive_int,
+                        help="tensor-parallel size; here it must be the world size (default: the world size)")
     parser.add_argument("--sequence_parallel", action="store_true", help="layer norms and dropout on sequence shards")
     parser.add_argument("--no_loss_parallel", action="store_true", help="gather the whole logits before the loss")
     args = parser.parse_args(argv)
@@ -251,8 +250,8 @@ def main(argv=None):
     rank, local_rank, world_size = training.launched_rank()
     tp, dp_rank, dp_size = args.tp or world_size, 0, 1
     if tp != world_size:
-        raise ValueError(f"--tp {tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so --tp must be "
-                         "the world size; use train_2d.py to combine it with data parallelism")
+        raise training.UsageError(f"--tp {tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so --tp "
+                                  "must be the world size; use train_2d.py to combine it with data parallelism")
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
@@ -327,4 +326,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    training.run(main)

@@ -8,11 +8,14 @@ this file, nothing else.
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 import os
 import resource
 import shutil
+import signal
+import sys
 import time
 from dataclasses import asdict
 from datetime import timedelta
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 import gpt
@@ -35,58 +39,147 @@ IMPORTED = time.perf_counter()  # Logger.start reports the time from here to the
 # Flags, device, process group
 
 
+class UsageError(ValueError):
+    """A flag, a launch or a layout the script cannot run with. Raised on every rank before any collective;
+    run() prints its message as one line, without a traceback."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are UsageErrors: one line from one rank, instead of the usage on every rank."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's examples as written and adds each flag's default once, where it has one."""
+
+    def _get_help_string(self, action):
+        has_default = action.default not in (None, argparse.SUPPRESS) and action.default is not False  # store_true
+        return action.help + " (default: %(default)s)" if has_default and "default" not in action.help else action.help
+
+
+def checked(kind, test, requirement):
+    """An argparse type: kind(text), refused with a message naming the requirement unless test(value)."""
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not test(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, not {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = checked(int, lambda n: n > 0, "a whole number > 0")
+count = checked(int, lambda n: n >= 0, "a whole number >= 0")
+positive = checked(float, lambda x: 0 < x < math.inf, "a number > 0")
+non_negative = checked(float, lambda x: 0 <= x < math.inf, "a number >= 0")  # NaN fails every comparison
+probability = checked(float, lambda x: 0 <= x < 1, "a probability in [0, 1)")
+
+
 def get_parser(description):
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help=f"preset: {', '.join(gpt.PRESETS)} (default tiny, or --init_from's)")
+    """The flags every script shares."""
+    p = ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p.add_argument("--model", default=None, choices=list(gpt.PRESETS),
+                   help="model size, from gpt.py's presets (default: tiny, or --init_from's)")
     p.add_argument("--init_from", default=None,
                    help="start from GPT-2's weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hugging Face hub) or a "
                         "folder with config.json and model.safetensors; --resume of a checkpoint wins")
-    p.add_argument("--data", default=DEFAULT_DATA_DIR, help="folder with train.bin, val.bin, meta.json")
-    p.add_argument("--global_batch", type=int, default=16, help="sequences per optimizer step")
-    p.add_argument("--micro_batch", type=int, default=None,
-                   help="sequences per rank per micro-step (default: global batch / data-parallel size)")
-    p.add_argument("--block_size", type=int, default=128, help="context length")
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--max_steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min_lr", type=float, default=1e-4)
-    p.add_argument("--warmup_steps", type=int, default=30)
-    p.add_argument("--weight_decay", type=float, default=0.1)
-    p.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm; 0 disables clipping")
+    p.add_argument("--data", default=DEFAULT_DATA_DIR, help="folder with train.bin, val.bin, meta.json "
+                   "(default: the embedded corpus, built on first use)")
+    p.add_argument("--global_batch", type=positive_int, default=16, help="sequences per optimizer step")
+    p.add_argument("--micro_batch", type=positive_int, default=None,
+                   help="sequences per rank per micro-step (default: global batch / data-parallel size, "
+                        "no accumulation)")
+    p.add_argument("--block_size", type=positive_int, default=128, help="context length, in tokens")
+    p.add_argument("--dropout", type=probability, default=0.0, help="dropout probability")
+    p.add_argument("--max_steps", type=positive_int, default=300, help="optimizer steps of the whole run")
+    p.add_argument("--lr", type=positive, default=1e-3, help="peak learning rate, reached after the warmup")
+    p.add_argument("--min_lr", type=non_negative, default=1e-4, help="learning rate at --max_steps (cosine decay)")
+    p.add_argument("--warmup_steps", type=count, default=30, help="steps of linear warmup to --lr")
+    p.add_argument("--weight_decay", type=non_negative, default=0.1, help="AdamW weight decay of the matrices")
+    p.add_argument("--grad_clip", type=non_negative, default=1.0, help="max global grad norm; 0 disables clipping")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="bfloat16: autocast, float32 master weights")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     p.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA (faster; float32 results differ ~1e-3)")
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "flash"])
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--eval_interval", type=int, default=100)
-    p.add_argument("--eval_iters", type=int, default=4, help="global batches of validation data per evaluation")
-    p.add_argument("--log_interval", type=int, default=10)
-    p.add_argument("--out_dir", default="out")
-    p.add_argument("--ckpt_interval", type=int, default=100, help="steps between checkpoints (and one at the end)")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "flash"],
+                   help="attention kernel: torch's scaled_dot_product_attention, or flash-attn (CUDA, bfloat16)")
+    p.add_argument("--seed", type=int, default=1337, help="seeds the initial weights, the batches and sampling")
+    p.add_argument("--eval_interval", type=count, default=100, help="steps between validation losses; 0: never")
+    p.add_argument("--eval_iters", type=positive_int, default=4, help="validation batches per evaluation")
+    p.add_argument("--log_interval", type=positive_int, default=10, help="steps between progress lines")
+    p.add_argument("--out_dir", default="out", help="checkpoints and metrics.jsonl")
+    p.add_argument("--ckpt_interval", type=count, default=100,
+                   help="steps between checkpoints (and one at the end); 0: only at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir, if any")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     add_sampling_flags(p)
-    p.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait before the run fails")
+    p.add_argument("--timeout", type=positive, default=600, help="seconds a collective may wait before the run fails")
     p.add_argument("--log_all_ranks", action="store_true", help="every rank prints its progress, not only rank 0")
-    p.add_argument("--tensorboard", action="store_true")
-    p.add_argument("--wandb", action="store_true")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also log to TensorBoard in --out_dir (pip install tensorboard)")
+    p.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (pip install wandb)")
     return p
 
 
 def add_sampling_flags(p):
     """The flags of a sample: after training (train_*.py) or from a checkpoint (sample.py)."""
-    p.add_argument("--sample_tokens", type=int, default=200, help="tokens generated; 0 skips the sample")
+    p.add_argument("--sample_tokens", type=count, default=200, help="tokens generated; 0 skips the sample")
     p.add_argument("--prompt", default="\n", help="the text the sample continues")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top_k", type=int, default=40, help="sample from the k likeliest tokens; 0: from all")
+    p.add_argument("--temperature", type=positive, default=0.8, help="softmax temperature of the sample")
+    p.add_argument("--top_k", type=count, default=40, help="sample from the k likeliest tokens; 0: from all")
 
 
 def check_sampling_flags(args):
     if args.sample_tokens and not args.prompt:
-        raise ValueError("--prompt is empty: a sample continues at least one character (the default is a newline)")
-    if args.temperature <= 0 or args.top_k < 0:
-        raise ValueError("--temperature must be above 0 and --top_k 0 (every token) or more")
+        raise UsageError("--prompt is empty: a sample continues at least one character (the default is a newline)")
+
+
+def check_arguments(args, device):
+    """What the flags' types cannot check alone; before anything is created."""
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min_lr {args.min_lr} is above --lr {args.lr}: the schedule decays from --lr to --min_lr")
+    if args.attn == "flash" and (gpt.flash_attn_func is None or device.type != "cuda" or args.dtype != "bfloat16"):
+        raise UsageError("--attn flash needs the flash-attn package (pip install flash-attn), CUDA and --dtype "
+                         "bfloat16; use --attn sdpa otherwise")
+    for package in ("tensorboard", "wandb"):
+        if getattr(args, package) and importlib.util.find_spec(package) is None:
+            raise UsageError(f"--{package} needs the {package} package: pip install {package}")
+
+
+USAGE_EXIT_CODE = 2  # argparse's, for every mistake in how a script is called
+OTHER_RANKS_WAIT_S = 10  # after a UsageError, how long a rank other than 0 waits for torchrun to end it
+
+
+def run(main):
+    """Every script's command-line entry point. A crash keeps its traceback, which @record also hands to
+    torchrun's summary. A UsageError prints one line, `error: <message>`, and exits with code 2. Every rank
+    raises the same one, so rank 0 speaks for all, in torchrun's summary too; the other ranks wait for torchrun
+    to end them, then exit quietly with the same code. A rank still running after the wait failed alone: it
+    says why itself."""
+
+    @record
+    def entry_point():
+        try:
+            main()
+        except UsageError as error:
+            if launched_rank()[0] != 0:
+                signal.signal(signal.SIGTERM, lambda *_: os._exit(USAGE_EXIT_CODE))
+                time.sleep(OTHER_RANKS_WAIT_S)
+            line = f"error: {error}"
+            print(line, file=sys.stderr)
+            if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary shows it as this rank's failure
+                with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                    json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                          "timestamp": str(int(time.time()))}}}, f)
+            sys.exit(USAGE_EXIT_CODE)
+
+    entry_point()
 
 
 def get_device(args, local_rank=0):
@@ -99,7 +192,7 @@ def get_device(args, local_rank=0):
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda but no CUDA device is visible; use --device cpu")
+            raise UsageError("--device cuda but no CUDA device is visible; use --device cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     # Ranks sharing a machine share its cores; oversubscribing them makes every rank several times slower.
@@ -120,7 +213,7 @@ def check_tensor_parallel(config, tp, sequence_parallel):
     for what, n in sizes + [("--block_size", config.block_size)] * sequence_parallel:
         if n % tp:
             fix = "run without --sequence_parallel" if what == "--block_size" else "another --model"
-            raise ValueError(f"{what} ({n}) is not divisible by --tp {tp}: choose a --tp that divides it or {fix}")
+            raise UsageError(f"{what} ({n}) is not divisible by --tp {tp}: choose a --tp that divides it or {fix}")
 
 
 def launched_rank():
@@ -134,7 +227,11 @@ def init_distributed(args, script, device):
     the same code and flags. Returns (rank, world size, whether this call created the group)."""
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
+        backend, timeout = "nccl" if device.type == "cuda" else "gloo", timedelta(seconds=args.timeout)
+        if "RANK" in os.environ:  # torchrun's (or another launcher's) rendezvous
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # a plain `python train_X.py`: a world of one process, which needs no rendezvous
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     fingerprints = [None] * world_size
     dist.all_gather_object(fingerprints, fingerprint(args, script))
@@ -161,14 +258,14 @@ def check_fingerprints(fingerprints):
     that differ from rank 0 and, for arguments, the flags that differ."""
     differ = [rank for rank, f in enumerate(fingerprints) if f["code"] != fingerprints[0]["code"]]
     if differ:
-        raise RuntimeError(f"ranks {differ} run other code (script, training.py or gpt.py) than rank 0; launch every "
+        raise UsageError(f"ranks {differ} run other code (script, training.py or gpt.py) than rank 0; launch every "
                            "rank with the same files and flags")
     differ = [rank for rank, f in enumerate(fingerprints) if f["args"] != fingerprints[0]["args"]]
     if differ:
         ours, theirs = json.loads(fingerprints[0]["args"]), json.loads(fingerprints[differ[0]]["args"])
         flags = ", ".join(f"--{key} {ours.get(key)} vs {theirs.get(key)}" for key in sorted(ours.keys() | theirs.keys())
                           if ours.get(key) != theirs.get(key))
-        raise RuntimeError(f"ranks {differ} run other arguments than rank 0 (rank 0 vs rank {differ[0]}: {flags}); "
+        raise UsageError(f"ranks {differ} run other arguments than rank 0 (rank 0 vs rank {differ[0]}: {flags}); "
                            "launch every rank with the same files and flags")
 
 
@@ -221,7 +318,7 @@ def get_tokenizer(name):
 def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no prepared data in {data_dir!r} (meta.json missing): run "
+        raise UsageError(f"no prepared data in {data_dir!r} (meta.json missing): run "
                                 f"`python prepare_data.py --out_dir {data_dir}` or pass --data with a prepared folder")
     with open(path) as f:
         return json.load(f)
@@ -254,14 +351,14 @@ class BatchSampler:
 
     def __init__(self, path, block_size, global_batch, micro_batch, dp_rank, dp_size, seed, device):
         if global_batch % (micro_batch * dp_size):
-            raise ValueError(f"--global_batch {global_batch} is not a multiple of --micro_batch {micro_batch} x "
+            raise UsageError(f"--global_batch {global_batch} is not a multiple of --micro_batch {micro_batch} x "
                              f"data-parallel size {dp_size}: change one of them")
         self.path, self.block_size, self.seed, self.device = path, block_size, seed, device
         self.global_batch, self.micro_batch, self.dp_rank = global_batch, micro_batch, dp_rank
         self.accumulation = global_batch // (micro_batch * dp_size)
         self.num_tokens = len(np.memmap(path, dtype=np.uint16, mode="r"))
         if self.num_tokens <= block_size + 1:
-            raise ValueError(f"{path} holds {self.num_tokens} tokens, fewer than --block_size {block_size} + 2")
+            raise UsageError(f"{path} holds {self.num_tokens} tokens, fewer than --block_size {block_size} + 2")
         self.split = 0 if os.path.basename(path).startswith("train") else 1
 
     def rows(self, micro_step):
@@ -286,7 +383,11 @@ class BatchSampler:
 def load_data(args, dp_rank, dp_size, device, is_writer):
     """Every check of the data and batch flags, before any collective: (meta, model config, train and val
     samplers) for this data-parallel rank."""
+    check_arguments(args, device)
     meta = ensure_data(args.data, is_writer)
+    if args.micro_batch is None and args.global_batch % dp_size:
+        raise UsageError(f"--global_batch {args.global_batch} does not split over {dp_size} data-parallel ranks: "
+                         f"choose a multiple of {dp_size}")
     micro_batch = args.micro_batch or args.global_batch // dp_size
     train_data, val_data = (BatchSampler(os.path.join(args.data, f"{split}.bin"), args.block_size, args.global_batch,
                                          micro_batch, dp_rank, dp_size, args.seed, device)
@@ -454,7 +555,7 @@ def pretrained_folder(name_or_path):
     try:
         return snapshot_download(name_or_path, allow_patterns=["config.json", "model.safetensors"])
     except Exception as error:
-        raise ValueError(f"--init_from {name_or_path!r} is no local folder, and the Hugging Face hub did not give it "
+        raise UsageError(f"--init_from {name_or_path!r} is no local folder, and the Hugging Face hub did not give it "
                          f"({type(error).__name__}): pass a folder with config.json and model.safetensors, or download "
                          f"it where the network allows (hf download {name_or_path} config.json model.safetensors) "
                          "into the cache $HF_HOME names") from error
@@ -468,7 +569,7 @@ class HuggingFaceCheckpoint:
         folder = pretrained_folder(name_or_path)
         self.path = os.path.join(folder, "model.safetensors")
         if not (os.path.exists(self.path) and os.path.exists(os.path.join(folder, "config.json"))):
-            raise ValueError(f"--init_from {name_or_path!r}: {folder!r} holds no config.json and model.safetensors "
+            raise UsageError(f"--init_from {name_or_path!r}: {folder!r} holds no config.json and model.safetensors "
                              "(the Hugging Face format)")
         with open(os.path.join(folder, "config.json")) as f:
             self.config = json.load(f)
@@ -490,12 +591,12 @@ def pretrained_config(args, meta):
     try:
         config = gpt.config_from_hugging_face(checkpoint.config, args.block_size, args.dropout)
     except ValueError as error:
-        raise ValueError(f"{source}: {error}") from None
+        raise UsageError(f"{source}: {error}") from None
     if args.model and gpt.make_config(args.model, config.vocab_size, config.block_size, config.dropout) != config:
-        raise ValueError(f"--model {args.model} contradicts {source} ({config.n_layer} layers, {config.n_head} heads, "
+        raise UsageError(f"--model {args.model} contradicts {source} ({config.n_layer} layers, {config.n_head} heads, "
                          f"{config.n_embd} wide): drop --model, the checkpoint's config.json defines the model")
     if config.vocab_size != meta["vocab_size"]:
-        raise ValueError(f"{source} has a vocabulary of {config.vocab_size}, but --data {args.data!r} is tokenized "
+        raise UsageError(f"{source} has a vocabulary of {config.vocab_size}, but --data {args.data!r} is tokenized "
                          f"with {meta['tokenizer']} ({meta['vocab_size']}): prepare the data with the checkpoint's "
                          "tokenizer (prepare_data.py --tokenizer gpt2 for GPT-2)")
     with torch.device("meta"):
@@ -504,9 +605,9 @@ def pretrained_config(args, meta):
         stored, box, _ = gpt.hugging_face_box(name, [(0, n) for n in shape], config)
         stored, found = checkpoint.prefix + stored, checkpoint.shapes.get(checkpoint.prefix + stored)
         if found is None:
-            raise ValueError(f"{source}: model.safetensors has no {stored}: the weights do not match config.json")
+            raise UsageError(f"{source}: model.safetensors has no {stored}: the weights do not match config.json")
         if len(found) != len(box) or any(stop > n for (_, stop), n in zip(box, found)):
-            raise ValueError(f"{source}: model.safetensors' {stored} {found} cannot hold {name} {tuple(shape)}: the "
+            raise UsageError(f"{source}: model.safetensors' {stored} {found} cannot hold {name} {tuple(shape)}: the "
                              "weights do not match config.json")
     return config
 
@@ -642,10 +743,10 @@ def latest_checkpoint(out_dir):
 def checkpoint_to_resume(args):
     """The checkpoint --resume continues, or None; refuses to train over a run it was not told to continue."""
     if args.resume and getattr(args, "impl", "ours") == "torch":
-        raise SystemExit("--resume is implemented for --impl ours only (it resumes checkpoints of any layout)")
+        raise UsageError("--resume is implemented for --impl ours only (it resumes checkpoints of any layout)")
     path = latest_checkpoint(args.out_dir)
     if path and not args.resume:
-        raise SystemExit(f"{args.out_dir!r} already holds {path!r}: pass --resume to continue it, "
+        raise UsageError(f"{args.out_dir!r} already holds {path!r}: pass --resume to continue it, "
                          "or choose another --out_dir")
     return path if args.resume else None
 
@@ -671,7 +772,7 @@ class Checkpoint:
     def check(self, config, shapes):
         """Refuse, before anything is loaded, a checkpoint of another model or one with missing pieces."""
         if self.meta["config"] != asdict(config):
-            raise ValueError(f"checkpoint {self.path!r} is of another model: {self.meta['config']} "
+            raise UsageError(f"checkpoint {self.path!r} is of another model: {self.meta['config']} "
                              f"vs this run's {asdict(config)}; use a new --out_dir, or the --model, --block_size "
                              "and --dropout it was saved with")
         for name, shape in shapes.items():
@@ -838,17 +939,13 @@ class Logger:
             return
         os.makedirs(args.out_dir, exist_ok=True)
         self.path = os.path.join(args.out_dir, "metrics.jsonl")
-        if args.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as error:
-                raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from error
+        if args.tensorboard:  # check_arguments() made sure the optional packages are there
+            from torch.utils.tensorboard import SummaryWriter
+
             self.tensorboard = SummaryWriter(args.out_dir)
         if args.wandb:
-            try:
-                import wandb
-            except ImportError as error:
-                raise RuntimeError("--wandb needs the wandb package: pip install wandb") from error
+            import wandb
+
             self.wandb = wandb.init(project="gpt-parallel", config=vars(args), dir=args.out_dir)
 
     def print(self, text):
