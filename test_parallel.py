@@ -2509,11 +2509,11 @@ def launcher(tmp_path):
     included, so a failed test never leaves a process behind."""
     launches = []
 
-    def start(*torchrun_args, via_torchrun=True, **env_overrides):
+    def start(*torchrun_args, via_torchrun=True, cwd=HERE, **env_overrides):
         log = open(tmp_path / f"launch{len(launches)}.log", "w+")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_overrides)  # one thread a rank
         launch = ["-m", "torch.distributed.run"] if via_torchrun else []  # else torchrun_args: a plain `python ...`
-        process = subprocess.Popen([sys.executable, *launch, *torchrun_args], cwd=HERE,
+        process = subprocess.Popen([sys.executable, *launch, *torchrun_args], cwd=cwd,
                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         launches.append(Launch(process, log))
         return launches[-1]
@@ -2748,6 +2748,44 @@ def test_ranks_that_disagree_stop_at_start(corpus, tmp_path, disagreement):
     assert f"ranks [1] run other {disagreement}" in output, output[-5000:]
     assert "step     0" not in output
     assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")
+
+
+def readme_commands(section, start):
+    """The commands of a README section's bash blocks that begin with `start`, in order, as a user types them
+    (either side of an `&&`, without the comment)."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        text = f.read().split(f"\n## {section}\n")[1].split("\n## ")[0]
+    lines = "".join(re.findall(r"```bash\n(.*?)```", text, re.S)).splitlines()
+    commands = [command.strip() for line in lines for command in line.split("#")[0].split("&&")]
+    return [command for command in commands if command.startswith(start)]
+
+
+SHORTER_RUN = ["--max_steps", "2", "--block_size", "32", "--global_batch", "8", "--eval_iters", "1",
+               "--sample_tokens", "8"]
+
+
+@launches_its_own_ranks
+def test_quick_start_runs_in_the_readme_order(corpus, tmp_path):
+    """The README's Quick start, command after command as written, in a fresh copy of the scripts (its data
+    folder is the session's corpus), with flags that only make the runs shorter: no run refuses a folder the run
+    before it filled, since every script has its own --out_dir."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in os.listdir(HERE):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(HERE, name), repo)
+    (repo / "data").mkdir()
+    (repo / "data" / "default").symlink_to(corpus)
+    commands = readme_commands("Quick start", ("python train_", "torchrun"))
+    assert commands[0] == "python train_single.py" and len(commands) >= 5, commands
+    for command in commands:
+        if "pytest" in command:
+            continue
+        words = command.split()[1:]
+        with launcher(tmp_path) as start:
+            code, output, _ = start(*words, *SHORTER_RUN, via_torchrun=command.startswith("torchrun"), cwd=repo).wait()
+        assert code == 0 and "from scratch" in output and "sample:" in output, f"{command}\n{output[-3000:]}"
+    assert sorted(os.listdir(repo / "out")) == ["2d", "ddp", "fsdp", "single", "tp"]
 
 
 def running_with(text):

@@ -40,7 +40,7 @@ def new_groups(tp, dp):
 
 
 def main(argv=None):
-    parser = training.get_parser(__doc__)
+    parser = training.get_parser(__doc__, "out/2d")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="torch: DTensor + FSDP2 on a DeviceMesh")
     parser.add_argument("--tp", type=training.positive_int, default=2, help="tensor-parallel size (inside a node)")

@@ -128,7 +128,7 @@ class DataParallel(nn.Module):
 
 
 def main(argv=None):
-    parser = training.get_parser(__doc__)
+    parser = training.get_parser(__doc__, "out/ddp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="ours: DataParallel above; torch: torch.nn.parallel.DistributedDataParallel")
     parser.add_argument("--bucket_mb", type=training.positive, default=25, help="largest gradient bucket, in MiB")

@@ -248,7 +248,7 @@ class FullyShardedDataParallel(nn.Module):
 
 
 def main(argv=None):
-    parser = training.get_parser(__doc__)
+    parser = training.get_parser(__doc__, "out/fsdp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
     parser.add_argument("--no_reshard", action="store_true",
                         help="keep each unit gathered from its forward to its backward")

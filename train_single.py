@@ -17,7 +17,7 @@ import training
 
 
 def main(argv=None):
-    args = training.get_parser(__doc__).parse_args(argv)
+    args = training.get_parser(__doc__, "out/single").parse_args(argv)
 
     # ---- process groups: one process, one device; the data-parallel coordinates of the only rank
     rank, world_size, dp_rank, dp_size = 0, 1, 0, 1

@@ -238,7 +238,7 @@ def clip_grad_norm_(parts, max_norm, tp_group):
 
 
 def main(argv=None):
-    parser = training.get_parser(__doc__)
+    parser = training.get_parser(__doc__, "out/tp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: DTensor parallelize_module")
     parser.add_argument("--tp", type=training.positive_int,
                         help="tensor-parallel size; here it must be the world size (default: the world size)")

@@ -81,8 +81,9 @@ non_negative = checked(float, lambda x: 0 <= x < math.inf, "a number >= 0")  # N
 probability = checked(float, lambda x: 0 <= x < 1, "a probability in [0, 1)")
 
 
-def get_parser(description):
-    """The flags every script shares."""
+def get_parser(description, out_dir="out"):
+    """The flags every script shares; out_dir: this script's default --out_dir, so runs of different scripts
+    never meet in one folder."""
     p = ArgumentParser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, choices=list(gpt.PRESETS),
                    help="model size, from gpt.py's presets (default: tiny, or --init_from's)")
@@ -113,7 +114,7 @@ def get_parser(description):
     p.add_argument("--eval_interval", type=count, default=100, help="steps between validation losses; 0: never")
     p.add_argument("--eval_iters", type=positive_int, default=4, help="validation batches per evaluation")
     p.add_argument("--log_interval", type=positive_int, default=10, help="steps between progress lines")
-    p.add_argument("--out_dir", default="out", help="checkpoints and metrics.jsonl")
+    p.add_argument("--out_dir", default=out_dir, help="checkpoints and metrics.jsonl")
     p.add_argument("--ckpt_interval", type=count, default=100,
                    help="steps between checkpoints (and one at the end); 0: only at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir, if any")
