@@ -840,6 +840,33 @@ def test_checkpoint_killed_mid_write_leaves_the_previous_one(corpus, tmp_path, m
     assert training.latest_checkpoint(str(tmp_path)).endswith("ckpt-0000006")
 
 
+def checkpoint_steps(out_dir):
+    return sorted(int(name[5:]) for name in os.listdir(out_dir) if name.startswith("ckpt-"))
+
+
+def test_keep_checkpoints_keeps_the_newest(corpus, tmp_path):
+    train_single.main(flags(corpus, tmp_path / "default", max_steps=5, ckpt_interval=1))
+    assert checkpoint_steps(tmp_path / "default") == [4, 5]  # --keep_checkpoints 2: the newest and one before it
+    train_single.main(flags(corpus, tmp_path / "all", max_steps=5, ckpt_interval=1, keep_checkpoints=0))
+    assert checkpoint_steps(tmp_path / "all") == [1, 2, 3, 4, 5]
+    train_single.main(flags(corpus, tmp_path / "all", max_steps=7, ckpt_interval=1, keep_checkpoints=3, resume=True))
+    assert checkpoint_steps(tmp_path / "all") == [5, 6, 7]
+
+
+def test_resume_says_what_changed_and_when_nothing_is_left(corpus, tmp_path, capsys):
+    train_single.main(flags(corpus, tmp_path, max_steps=3))
+    metrics, _ = (tmp_path / "metrics.jsonl").read_text(), capsys.readouterr()
+    code, printed = command_line(train_single.main, flags(corpus, tmp_path, max_steps=3, resume=True), capsys)
+    assert code == 0 and printed == (f"nothing to do: '{tmp_path}/ckpt-0000003' is at step 3 and --max_steps is 3; "
+                                     "pass a larger --max_steps to train further\n")
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics  # no step taken, no sample
+    code, printed = command_line(train_single.main, flags(corpus, tmp_path, max_steps=4, lr=1e-3, resume=True), capsys)
+    assert code == 0 and printed.splitlines()[0] == ("the schedule differs from the checkpoint's (--max_steps 3 -> 4, "
+                                                     "--lr 0.003 -> 0.001): the learning rate follows the new one "
+                                                     "from step 3 on")
+    assert "resuming at step 3" in printed.splitlines()[1]
+
+
 def test_checkpoint_of_another_model_is_refused(corpus, tmp_path):
     train_single.main(flags(corpus, tmp_path, max_steps=2))
     before = open(os.path.join(training.latest_checkpoint(str(tmp_path)), "meta.pt"), "rb").read()
@@ -912,6 +939,7 @@ def command_line(main, argv, capsys):
     (train_single.main, dict(eval_iters=0), "argument --eval_iters: must be a whole number > 0"),
     (train_single.main, dict(log_interval=0), "argument --log_interval: must be a whole number > 0"),
     (train_single.main, dict(ckpt_interval=-1), "argument --ckpt_interval: must be a whole number >= 0"),
+    (train_single.main, dict(keep_checkpoints=-1), "argument --keep_checkpoints: must be a whole number >= 0"),
     (train_single.main, dict(sample_tokens=-1), "argument --sample_tokens: must be a whole number >= 0"),
     (train_single.main, dict(dropout=1), "argument --dropout: must be a probability in [0, 1), not '1'"),
     (train_single.main, dict(dropout=-0.1), "argument --dropout: must be a probability in [0, 1)"),

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import signal
@@ -117,6 +118,8 @@ def get_parser(description, out_dir="out"):
     p.add_argument("--out_dir", default=out_dir, help="checkpoints and metrics.jsonl")
     p.add_argument("--ckpt_interval", type=count, default=100,
                    help="steps between checkpoints (and one at the end); 0: only at the end")
+    p.add_argument("--keep_checkpoints", type=count, default=2,
+                   help="checkpoints kept in --out_dir, the newest ones; 0 keeps every one")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir, if any")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     add_sampling_flags(p)
@@ -701,10 +704,11 @@ def save_shard(out_dir, step, rank, tensors, rng_state):
     os.replace(path + ".tmp", path)
 
 
-def publish_checkpoint(out_dir, step, world_size, meta):
+def publish_checkpoint(out_dir, step, world_size, meta, keep=0):
     """Rank 0, after every rank's save_shard has returned (a barrier in distributed scripts): write meta,
-    rename the folder into place, then repoint `latest`. A crash at any moment leaves `latest` naming a
-    complete checkpoint, the previous one until the final os.replace."""
+    rename the folder into place, repoint `latest`, then delete all but the `keep` newest checkpoints (0: keep
+    every one). A crash at any moment leaves `latest` naming a complete checkpoint, the previous one until the
+    os.replace."""
     tmp = os.path.join(out_dir, f"ckpt-{step:07d}.tmp")
     final = os.path.join(out_dir, f"ckpt-{step:07d}")
     meta = dict(meta, step=step, files=[f"rank{r:05d}.pt" for r in range(world_size)])
@@ -718,8 +722,11 @@ def publish_checkpoint(out_dir, step, world_size, meta):
         f.flush()
         os.fsync(f.fileno())
     os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
-    if previous and previous != final:
-        shutil.rmtree(previous, ignore_errors=True)
+    # Older than this one by step; a newer one is left by a run resumed from before it, and is overwritten later.
+    older = sorted(name for name in os.listdir(out_dir)
+                   if re.fullmatch(r"ckpt-\d{7}", name) and name < os.path.basename(final))
+    for name in older[:max(0, len(older) - (keep - 1))] if keep else []:
+        shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
 def save_checkpoint(args, step, tensors, config, device, rank=0, world_size=1):
@@ -728,7 +735,8 @@ def save_checkpoint(args, step, tensors, config, device, rank=0, world_size=1):
     if world_size > 1:
         dist.barrier()
     if rank == 0:
-        publish_checkpoint(args.out_dir, step, world_size, {"config": asdict(config), "args": vars(args)})
+        publish_checkpoint(args.out_dir, step, world_size, {"config": asdict(config), "args": vars(args)},
+                           args.keep_checkpoints)
     if world_size > 1:
         dist.barrier()  # nobody goes on (or exits) while `latest` may still name the previous checkpoint
 
@@ -741,15 +749,33 @@ def latest_checkpoint(out_dir):
         return os.path.join(out_dir, f.read().strip())
 
 
+SCHEDULE_FLAGS = ("max_steps", "lr", "warmup_steps", "min_lr")  # get_lr(step) depends on these
+
+
 def checkpoint_to_resume(args):
-    """The checkpoint --resume continues, or None; refuses to train over a run it was not told to continue."""
+    """The checkpoint --resume continues, or None; refuses to train over a run it was not told to continue.
+    Says when the schedule differs from the one the checkpoint was trained with, and exits (code 0) when the
+    checkpoint has reached --max_steps already."""
     if args.resume and getattr(args, "impl", "ours") == "torch":
         raise UsageError("--resume is implemented for --impl ours only (it resumes checkpoints of any layout)")
     path = latest_checkpoint(args.out_dir)
     if path and not args.resume:
         raise UsageError(f"{args.out_dir!r} already holds {path!r}: pass --resume to continue it, "
                          "or choose another --out_dir")
-    return path if args.resume else None
+    if not (path and args.resume):
+        return None
+    saved = Checkpoint(path).meta
+    say = print if launched_rank()[0] == 0 else lambda text: None
+    if saved["step"] >= args.max_steps:
+        say(f"nothing to do: {path!r} is at step {saved['step']} and --max_steps is {args.max_steps}; pass a larger "
+            "--max_steps to train further")
+        raise SystemExit(0)
+    changed = [f"--{flag} {saved['args'][flag]} -> {getattr(args, flag)}" for flag in SCHEDULE_FLAGS
+               if saved["args"].get(flag, getattr(args, flag)) != getattr(args, flag)]
+    if changed:
+        say(f"the schedule differs from the checkpoint's ({', '.join(changed)}): the learning rate follows the "
+            f"new one from step {saved['step']} on")
+    return path
 
 
 class Checkpoint:
