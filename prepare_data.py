@@ -11,11 +11,14 @@ The training scripts read the files through np.memmap, so a corpus larger than m
 meta.json is written last: its presence means the folder is complete.
 """
 
+import itertools
 import json
+import multiprocessing
 import os
 import socket
 import sys
 import sysconfig
+import tempfile
 import urllib.request
 
 import numpy as np
@@ -29,20 +32,22 @@ HF_DATASETS = {
     "fineweb-edu": dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT"),
 }
 fraction = checked(float, lambda x: 0 < x < 1, "a number between 0 and 1")
+ROW_LINES = 64  # lines of --input text a row: one a row makes millions of rows, and datasets is slow per row
+WRITE_BATCH_ROWS = 10_000  # rows of tokens per write
+SKIPPED_SHOWN = 5  # skipped files named in the message
 OFFLINE_OPTIONS = ("offline you can run `python prepare_data.py` (the embedded default corpus) "
                    "or `python prepare_data.py --input PATH` on local text files")
 
 
-def write_split(path, chunks, total):
-    """Stream token arrays into a uint16 file of `total` tokens, under a temporary name until complete."""
-    out = np.memmap(path + ".tmp", dtype=np.uint16, mode="w+", shape=(total,))
-    position = 0
-    for chunk in chunks:
-        out[position:position + len(chunk)] = chunk
-        position += len(chunk)
-    out.flush()
-    del out
+def write_split(path, chunks):
+    """Stream uint16 token arrays into one file, under a temporary name until complete; returns the token count."""
+    count = 0
+    with open(path + ".tmp", "wb") as f:
+        for chunk in chunks:
+            f.write(np.ascontiguousarray(chunk, dtype=np.uint16))
+            count += len(chunk)
     os.replace(path + ".tmp", path)
+    return count
 
 
 def write_meta(out_dir, tokenizer, counts, source):
@@ -57,10 +62,7 @@ def write_meta(out_dir, tokenizer, counts, source):
 def write_arrays(out_dir, tokenizer, splits, source):
     """splits: {"train": [uint16 arrays], "val": [...]}, small enough to hold in memory."""
     os.makedirs(out_dir, exist_ok=True)
-    counts = {}
-    for split, arrays in splits.items():
-        counts[split] = sum(len(a) for a in arrays)
-        write_split(os.path.join(out_dir, f"{split}.bin"), arrays, counts[split])
+    counts = {split: write_split(os.path.join(out_dir, f"{split}.bin"), arrays) for split, arrays in splits.items()}
     return write_meta(out_dir, tokenizer, counts, source)
 
 
@@ -101,25 +103,31 @@ def prepare_shakespeare(out_dir, tokenizer):
 def tokenize_dataset(dataset, tokenizer, num_proc, out_dir, source, val_fraction):
     """A datasets.Dataset with a "text" column -> token files, tokenized in num_proc processes and written
     in batches, so corpora larger than memory (OpenWebText: ~9B gpt2 tokens) stream through."""
+    import datasets
+    import pyarrow.compute as pc
     from tqdm import tqdm
 
-    split = dataset.train_test_split(test_size=val_fraction, seed=2357, shuffle=True)
+    if len(dataset) < 2:
+        raise UsageError(f"{source}: {len(dataset)} row of text, too little to hold out a validation split")
+    # The last rows are the validation split: rows stay in order (no shuffle, which makes every later read a
+    # random access), so a row's neighbours in train.bin are its neighbours in the text.
+    split = dataset.train_test_split(test_size=val_fraction, shuffle=False)
+    end = [] if tokenizer.eot is None else [tokenizer.eot]
 
-    def encode(example):
-        ids = tokenizer.encode(example["text"])
-        if tokenizer.eot is not None:
-            ids.append(tokenizer.eot)
-        return {"ids": ids, "len": len(ids)}
+    def encode(batch):
+        return {"ids": [tokenizer.encode(text) + end for text in batch["text"]]}
 
+    # uint16 in the Arrow files already: each written batch is then one flat buffer of token ids, no Python loop.
+    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("uint16"))})
     os.makedirs(out_dir, exist_ok=True)
     counts = {}
     for name, part in (("train", split["train"]), ("val", split["test"])):
-        part = part.map(encode, remove_columns=part.column_names, num_proc=num_proc, desc=f"tokenizing {name}")
-        counts[name] = int(np.sum(part["len"], dtype=np.uint64))
-        shards = max(1, min(1024, len(part) // 1024))
-        chunks = (np.concatenate(part.shard(shards, i, contiguous=True).with_format("numpy")["ids"]).astype(np.uint16)
-                  for i in tqdm(range(shards), desc=f"writing {name}.bin"))
-        write_split(os.path.join(out_dir, f"{name}.bin"), chunks, counts[name])
+        part = part.map(encode, batched=True, features=features, remove_columns=part.column_names,
+                        num_proc=min(num_proc, len(part)), desc=f"tokenizing {name}")
+        batches = part.with_format("arrow").iter(batch_size=WRITE_BATCH_ROWS)
+        chunks = (pc.list_flatten(batch["ids"]).to_numpy() for batch in
+                  tqdm(batches, total=-(-len(part) // WRITE_BATCH_ROWS), desc=f"writing {name}.bin"))
+        counts[name] = write_split(os.path.join(out_dir, f"{name}.bin"), chunks)
     return write_meta(out_dir, tokenizer, counts, source)
 
 
@@ -130,9 +138,33 @@ def prepare_hub(name, out_dir, tokenizer, num_proc, val_fraction):
     return tokenize_dataset(dataset, tokenizer, num_proc, out_dir, name, val_fraction)
 
 
+def not_text(path):
+    """Why --input skips this file (a broken link, binary, not UTF-8, unreadable), or None for a text file."""
+    if not os.path.isfile(path):
+        return "broken link" if os.path.islink(path) else "not a regular file"
+    try:
+        with open(path, encoding="utf-8") as f:
+            while block := f.read(1 << 20):
+                if "\0" in block:
+                    return "binary"
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except OSError as error:
+        return f"unreadable: {error.strerror}"
+    return None
+
+
+def read_rows(files):
+    """The files' text, in order, in rows of up to ROW_LINES whole lines: the token stream is the files' text."""
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            while row := "".join(itertools.islice(f, ROW_LINES)):
+                yield {"text": row}
+
+
 def prepare_local(path, out_dir, tokenizer, num_proc, val_fraction):
-    """A text file, or a folder of them (every file below it), through datasets' `text` loader: one line a
-    row, and the newline put back, so the token stream is the files' text."""
+    """A text file, or a folder of them (every file below it); files that are not UTF-8 text are skipped, and
+    named. The rows are cached in a temporary folder inside out_dir, deleted at the end."""
     import datasets
 
     if os.path.isdir(path):
@@ -141,22 +173,32 @@ def prepare_local(path, out_dir, tokenizer, num_proc, val_fraction):
         files = [path]
     else:
         raise UsageError(f"--input {path!r}: no such file or folder")
-    if not files:
-        raise UsageError(f"--input {path!r}: the folder holds no files")
-    dataset = datasets.load_dataset("text", data_files=files, split="train", keep_linebreaks=True)
-    return tokenize_dataset(dataset, tokenizer, num_proc, out_dir, os.path.abspath(path), val_fraction)
+    with multiprocessing.Pool(num_proc) as pool:
+        reasons = dict(zip(files, pool.map(not_text, files, chunksize=16)))
+    skipped = [f"{name} ({why})" for name, why in reasons.items() if why]
+    if skipped:
+        print(f"--input: skipping {len(skipped)} of {len(files)} files, not readable as text: "
+              + ", ".join(skipped[:SKIPPED_SHOWN]) + (", ..." if len(skipped) > SKIPPED_SHOWN else ""))
+    texts = [name for name, why in reasons.items() if not why]
+    if not texts:
+        raise UsageError(f"--input {path!r}: no file readable as UTF-8 text in it" + (" (it is empty)" * (not files)))
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".cache-", dir=out_dir) as cache:
+        dataset = datasets.Dataset.from_generator(read_rows, gen_kwargs={"files": texts}, cache_dir=cache,
+                                                  num_proc=min(num_proc, len(texts)))
+        return tokenize_dataset(dataset, tokenizer, num_proc, out_dir, os.path.abspath(path), val_fraction)
 
 
 def main(argv=None):
     p = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--dataset", choices=["default", "shakespeare", "openwebtext", "fineweb-edu"], default="default",
                    help="the corpus to prepare (default: the embedded one, this Python's standard library)")
-    p.add_argument("--input", help="a local text file or folder of them, instead of --dataset")
+    p.add_argument("--input", help="a local text file or folder of them, instead of --dataset; files that are not "
+                   "UTF-8 text are skipped")
     p.add_argument("--tokenizer", choices=["gpt2", "byte"], default=None,
                    help="default: byte for the embedded corpus, gpt2 otherwise")
     p.add_argument("--out_dir", default=None, help="default: data/<dataset>, or data/input, next to this file")
-    p.add_argument("--num_proc", type=positive_int, default=max(1, (os.cpu_count() or 1) // 2),
-                   help="processes that tokenize")
+    p.add_argument("--num_proc", type=positive_int, default=os.cpu_count() or 1, help="processes that tokenize")
     p.add_argument("--val_fraction", type=fraction, default=0.005, help="share of the rows held out for validation")
     args = p.parse_args(argv)
 

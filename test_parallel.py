@@ -10,6 +10,7 @@ several optimizer steps, in float32 on CPU, within reduction-order noise (TOLERA
 
 import contextlib
 import copy
+import gzip
 import importlib.util
 import json
 import math
@@ -694,6 +695,31 @@ def test_prepare_data_local_text(tmp_path):
     assert sorted(text.splitlines()) == sorted(lines)  # every line once, whole, in one split or the other
     assert 0 < len(val) < len(train)
     assert json.loads((out / "meta.json").read_text()) == meta
+
+
+def test_prepare_data_skips_what_is_not_text(tmp_path, capsys):
+    """An ordinary folder: a compressed file, a binary one, a broken link and a FIFO next to the text. They are
+    skipped and named; a folder with nothing readable is a one-line error."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    text = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(100))
+    (folder / "code.py").write_text(text)
+    (folder / "notes.txt.gz").write_bytes(gzip.compress(text.encode()))
+    (folder / "zeros.bin").write_bytes(bytes(1000))  # valid UTF-8, but NUL bytes: binary
+    (folder / "dangling.txt").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(folder / "pipe")  # opening it would block forever
+    meta = prepare_data.main(["--input", str(folder), "--tokenizer", "byte", "--out_dir", str(tmp_path / "out"),
+                              "--val_fraction", "0.1"])
+    assert meta["train_tokens"] + meta["val_tokens"] == len(text.encode())
+    printed = capsys.readouterr().out
+    assert "skipping 4 of 5 files" in printed
+    for name, why in [("notes.txt.gz", "not UTF-8 text"), ("zeros.bin", "binary"), ("dangling.txt", "broken link"),
+                      ("pipe", "not a regular file")]:
+        assert f"{name} ({why})" in printed
+    (folder / "code.py").unlink()
+    with pytest.raises(training.UsageError, match="no file readable as UTF-8 text"):
+        prepare_data.main(["--input", str(folder), "--tokenizer", "byte", "--out_dir", str(tmp_path / "none")])
+    assert not os.path.exists(tmp_path / "none")
 
 
 def test_prepare_data_missing_input_is_a_clear_error(tmp_path):
