@@ -145,6 +145,16 @@ def run_distributed(world_size, fn, *args):
 launches_its_own_ranks = pytest.mark.skipif(LAUNCHED_WORLD > 1, reason="launches torchrun or forks ranks itself")
 
 
+def pytest_generate_tests(metafunc):
+    """Under torchrun, rank 0 alone reports: every rank runs the same tests, and a test of several ranks fails on
+    all of them (run_distributed gathers their outcomes), so the other ranks would repeat the report, interleaved;
+    their exit codes still fail the launch. pytest calls this hook of a test module while collecting it: the
+    earliest moment this file can reach the terminal (each rank has printed the session's header by then)."""
+    plugins = metafunc.config.pluginmanager
+    if LAUNCHED_WORLD > 1 and int(os.environ["RANK"]) != 0 and plugins.has_plugin("terminalreporter"):
+        plugins.unregister(name="terminalreporter")
+
+
 def _same_on_every_rank(path):
     """Rank 0's path on every rank when torchrun launched the ranks: each process has its own pytest tmp folders,
     and the ranks of one run must write into one folder."""
@@ -2840,6 +2850,20 @@ def test_quick_start_runs_in_the_readme_order(corpus, tmp_path):
             code, output, _ = start(*words, *SHORTER_RUN, via_torchrun=command.startswith("torchrun"), cwd=repo).wait()
         assert code == 0 and "from scratch" in output and "sample:" in output, f"{command}\n{output[-3000:]}"
     assert sorted(os.listdir(repo / "out")) == ["2d", "ddp", "fsdp", "single", "tp"]
+
+
+@launches_its_own_ranks
+def test_pytest_under_torchrun_reports_once(tmp_path):
+    """The README's `torchrun --nproc_per_node=N -m pytest test_parallel.py`: rank 0 alone shows progress and the
+    summary (a failure of any rank still fails the launch)."""
+    command = readme_commands("Tests", "torchrun")[0].split()
+    assert command[1:3] == ["--nproc_per_node=4", "-m"], command
+    selection = ["-p", "no:cacheprovider", "-k", "test_harness_runs_ranks or test_lr_schedule"]  # no tmp folders
+    with launcher(tmp_path) as start:
+        code, output, _ = start("--standalone", "--nproc_per_node=2", *command[2:], *selection).wait()
+    assert code == 0, output[-5000:]
+    assert output.count("2 passed") == 1 and output.count("collected ") == 1, output
+    assert output.count("test_parallel.py ..") == 1, output
 
 
 def running_with(text):
