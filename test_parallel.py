@@ -1033,6 +1033,13 @@ def test_missing_logger_package_is_one_line_before_anything_is_created(corpus, t
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_readme_shows_how_to_log_to_tensorboard_and_wandb():
+    commands = readme_commands("Logging: TensorBoard and Weights & Biases", ("pip", "python", "WANDB_MODE"))
+    assert "pip install tensorboard" in commands and "pip install wandb" in commands, commands
+    assert any("python train_single.py --tensorboard" in command for command in commands), commands
+    assert any("python train_single.py --wandb" in command for command in commands), commands  # after WANDB_MODE
+
+
 @launches_its_own_ranks
 def test_data_parallel_scripts_run_without_torchrun(corpus, tmp_path, capsys):
     """`python train_ddp.py` (no RANK in the environment) is a world of one process; train_2d.py's grid needs
