@@ -642,8 +642,8 @@ def test_checkpoint_publishing_survives_a_crash_between_any_two_file_operations(
     checkpoints and ends with `latest` at step 6."""
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
 
-    def save(out_dir, step):  # a checkpoint whose one tensor holds its step number
-        args = training.get_parser("").parse_args(["--out_dir", str(out_dir)])
+    def save(out_dir, step):  # a checkpoint whose one tensor holds its step number; the one before it deleted
+        args = training.get_parser("").parse_args(["--out_dir", str(out_dir), "--keep_checkpoints", "1"])
         training.save_checkpoint(args, step, {"w": [training.piece((3,), torch.full((3,), float(step)))]}, config,
                                  torch.device("cpu"))
 
@@ -925,7 +925,7 @@ def test_truncated_checkpoint_is_refused(corpus, tmp_path):
     (dict(model="gpt5"), "invalid choice: 'gpt5'"),
     (dict(global_batch=10, micro_batch=4), "not a multiple of --micro_batch"),
     (dict(prompt="", sample_tokens=8), "--prompt is empty"),
-    (dict(temperature=0), "--temperature must be above 0"),
+    (dict(temperature=0), "--temperature: must be a number > 0"),
 ])
 def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
     with pytest.raises(training.UsageError, match=message):
