@@ -252,20 +252,27 @@ def read_run(out_dir):
 _single_runs = {}
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Training in this process on one thread, like every worker: a loaded machine slows a two-thread run several
+    times."""
+    threads, variable = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # training.get_device then leaves the thread count alone
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.pop("OMP_NUM_THREADS") if variable is None else os.environ.update(OMP_NUM_THREADS=variable)
+
+
 def single_run(corpus, tmp_path_factory, **overrides):
-    """train_single.py in this process, once per distinct set of flags per session: the reference. One thread,
-    like every worker: a loaded machine slows a two-thread run several times."""
+    """train_single.py in this process, once per distinct set of flags per session: the reference."""
     key = tuple(sorted(overrides.items()))
     if key not in _single_runs:
         out_dir = tmp_path_factory.mktemp("single")
-        threads, variable = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"  # training.get_device then leaves the thread count alone
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             train_single.main(flags(corpus, out_dir, **overrides))
-        finally:
-            torch.set_num_threads(threads)
-            os.environ.pop("OMP_NUM_THREADS") if variable is None else os.environ.update(OMP_NUM_THREADS=variable)
         _single_runs[key] = read_run(out_dir)
     return _single_runs[key]
 
@@ -597,6 +604,7 @@ def test_fsdp_optimizer_groups_by_parameter_name():
         assert sorted(seen) == sorted(name for name, _ in gpt.GPT(gpt.make_config("tiny", 256, 32)).named_parameters())
 
 
+@one_thread()
 def test_validation_loss_is_the_mean_over_the_validation_batches(corpus):
     """estimate_loss is the cross-entropy of every token of --eval_iters global validation batches, computed here on
     each whole batch at once: the same at accumulation 16, 4 and 1, with dropout off (0.5 here: any mask would show),
@@ -773,6 +781,7 @@ def test_loss_falls_on_the_default_corpus(corpus, tmp_path):
     assert last["mfu"] is None and last["tokens_per_s"] > 0 and last["peak_mem_mb"] > 0
 
 
+@one_thread()
 def test_train_single_equals_a_plain_training_loop(corpus, tmp_path_factory):
     """The reference for what every layout shares, with no code of training.py: a plain loop written here from the
     flags' definitions (batches from independent_batch, whole at once instead of train_single's 8 micro-batches;
@@ -830,6 +839,7 @@ def test_missing_optional_package_is_a_clear_error(corpus, tmp_path, extra, pack
     assert not os.path.exists(tmp_path / "out")  # refused before anything was created
 
 
+@one_thread()
 def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     train_single.main(flags(corpus, straight, max_steps=8, dropout=DROPOUT))
