@@ -769,6 +769,7 @@ def test_default_corpus(corpus):
 # train_single.py
 
 
+@one_thread()
 def test_loss_falls_on_the_default_corpus(corpus, tmp_path):
     train_single.main(flags(corpus, tmp_path, block_size=64, micro_batch=16, max_steps=60, warmup_steps=10,
                             lr=3e-3, eval_interval=59, log_interval=10))
@@ -818,6 +819,7 @@ def test_train_single_equals_a_plain_training_loop(corpus, tmp_path_factory):
     assert_runs_match(single_run(corpus, tmp_path_factory), Run(losses, weights, grad_norms, lrs, val_losses))
 
 
+@one_thread()
 def test_bfloat16_autocast_and_sampling(corpus, tmp_path, capsys):
     train_single.main(flags(corpus, tmp_path, dtype="bfloat16", max_steps=2, micro_batch=8, sample_tokens=16))
     run = read_run(str(tmp_path))
@@ -860,6 +862,7 @@ def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch):
     assert_identical(read_run(str(interrupted)), read_run(str(straight)))  # bit-identical, not merely close
 
 
+@one_thread()
 def test_checkpoint_killed_mid_write_leaves_the_previous_one(corpus, tmp_path, monkeypatch):
     real_save = torch.save
     saves = []
@@ -913,6 +916,7 @@ def test_resume_says_what_changed_and_when_nothing_is_left(corpus, tmp_path, cap
     assert "resuming at step 3" in printed.splitlines()[1]
 
 
+@one_thread()
 def test_checkpoint_of_another_model_is_refused(corpus, tmp_path):
     train_single.main(flags(corpus, tmp_path, max_steps=2))
     before = open(os.path.join(training.latest_checkpoint(str(tmp_path)), "meta.pt"), "rb").read()
@@ -921,6 +925,7 @@ def test_checkpoint_of_another_model_is_refused(corpus, tmp_path):
     assert open(os.path.join(training.latest_checkpoint(str(tmp_path)), "meta.pt"), "rb").read() == before
 
 
+@one_thread()
 def test_truncated_checkpoint_is_refused(corpus, tmp_path):
     train_single.main(flags(corpus, tmp_path, max_steps=2))
     rank_file = os.path.join(training.latest_checkpoint(str(tmp_path)), "rank00000.pt")
@@ -1701,6 +1706,7 @@ def test_fsdp_bfloat16_close_to_float32(corpus, shared_tmp, tmp_path_factory):
 
 
 @launches_its_own_ranks  # 1, 2 and 4 ranks in turn
+@one_thread()
 def test_fsdp_checkpoint_resumes_anywhere(corpus, tmp_path, tmp_path_factory):
     """A checkpoint written by FSDP at 2 ranks resumes under train_single and under FSDP at 4 ranks, and one
     written by train_single resumes under FSDP at 2 ranks: the same losses and weights as an unbroken run."""
