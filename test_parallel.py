@@ -994,8 +994,8 @@ def command_line(main, argv, capsys):
     (train_single.main, dict(sample_tokens=-1), "argument --sample_tokens: must be a whole number >= 0"),
     (train_single.main, dict(dropout=1), "argument --dropout: must be a probability in [0, 1), not '1'"),
     (train_single.main, dict(dropout=-0.1), "argument --dropout: must be a probability in [0, 1)"),
-    (train_single.main, dict(lr=0), "argument --lr: must be a number > 0, not '0'"),
-    (train_single.main, dict(lr="nan"), "argument --lr: must be a number > 0, not 'nan'"),
+    (train_single.main, dict(lr=-1), "argument --lr: must be a number >= 0, not '-1'"),  # 0: a run that only evaluates
+    (train_single.main, dict(lr="nan"), "argument --lr: must be a number >= 0, not 'nan'"),
     (train_single.main, dict(min_lr=-1), "argument --min_lr: must be a number >= 0"),
     (train_single.main, dict(weight_decay=-1), "argument --weight_decay: must be a number >= 0"),
     (train_single.main, dict(grad_clip="inf"), "argument --grad_clip: must be a number >= 0, not 'inf'"),

@@ -100,7 +100,7 @@ def get_parser(description, out_dir="out"):
     p.add_argument("--block_size", type=positive_int, default=128, help="context length, in tokens")
     p.add_argument("--dropout", type=probability, default=0.0, help="dropout probability")
     p.add_argument("--max_steps", type=positive_int, default=300, help="optimizer steps of the whole run")
-    p.add_argument("--lr", type=positive, default=1e-3, help="peak learning rate, reached after the warmup")
+    p.add_argument("--lr", type=non_negative, default=1e-3, help="peak learning rate, reached after the warmup")
     p.add_argument("--min_lr", type=non_negative, default=1e-4, help="learning rate at --max_steps (cosine decay)")
     p.add_argument("--warmup_steps", type=count, default=30, help="steps of linear warmup to --lr")
     p.add_argument("--weight_decay", type=non_negative, default=0.1, help="AdamW weight decay of the matrices")
