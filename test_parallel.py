@@ -893,6 +893,7 @@ def checkpoint_steps(out_dir):
     return sorted(int(name[5:]) for name in os.listdir(out_dir) if name.startswith("ckpt-"))
 
 
+@one_thread()
 def test_keep_checkpoints_keeps_the_newest(corpus, tmp_path):
     train_single.main(flags(corpus, tmp_path / "default", max_steps=5, ckpt_interval=1))
     assert checkpoint_steps(tmp_path / "default") == [4, 5]  # --keep_checkpoints 2: the newest and one before it
@@ -902,6 +903,7 @@ def test_keep_checkpoints_keeps_the_newest(corpus, tmp_path):
     assert checkpoint_steps(tmp_path / "all") == [5, 6, 7]
 
 
+@one_thread()
 def test_resume_says_what_changed_and_when_nothing_is_left(corpus, tmp_path, capsys):
     train_single.main(flags(corpus, tmp_path, max_steps=3))
     metrics, _ = (tmp_path / "metrics.jsonl").read_text(), capsys.readouterr()
@@ -2477,6 +2479,7 @@ def test_init_from_that_contradicts_the_flags_or_data_is_refused(corpus, tmp_pat
     assert all(error and message in error and "\n" not in error for error in errors), errors
 
 
+@one_thread()
 def test_resume_wins_over_init_from(corpus, tmp_path, gpt2_like):
     """--init_from applies when a run starts fresh: with --resume and a checkpoint, the run continues the checkpoint,
     bit for bit as if it had never stopped."""
