@@ -1655,7 +1655,7 @@ def _prefetch_order(compile):
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     model, fsdp, _ = _build(config)
     if compile:
-        training.compile_blocks(model)
+        training.wrap_blocks(model, compile=True)
     events = []
     unit_of = {flat.shard.data_ptr(): index for index, unit in enumerate(fsdp.units) for flat in unit}
     real_gather, real_reduce_scatter = training.all_gather_single, fsdp.reduce_scatter
@@ -2560,6 +2560,57 @@ def test_resume_with_dropout_is_bit_identical(corpus, tmp_path_factory, shared_t
     assert training.latest_checkpoint(str(shared_tmp)).endswith("ckpt-0000002")
     run_distributed(ranks, main, argv + ["--resume"])
     assert_identical(read_run(str(shared_tmp)), uninterrupted(corpus, tmp_path_factory, layout))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --activation_checkpointing: each block keeps only its input and recomputes the rest in backward, where the
+# strategy has made the block's weights available again (FSDP gathers the unit for backward) and the random state
+# is restored (torch restores the default generators, training.recompute_streams our RNGStreams). The math is
+# unchanged: the same layouts against train_single.py within the same tolerances, and with dropout each layout
+# bit-identical to itself without checkpointing (the recompute draws the masks the forward drew).
+
+
+@pytest.mark.parametrize("layout, impl", [("single", None), ("ddp", "ours"), ("ddp", "torch"), ("fsdp", "ours"),
+                                          ("fsdp", "torch"), ("tp", "ours"), ("tp", "torch"), ("2d", "ours"),
+                                          ("2d", "torch")])
+def test_activation_checkpointing_matches_single(corpus, shared_tmp, tmp_path_factory, layout, impl):
+    main, ranks, extra = LAYOUTS[layout]
+    run_distributed(ranks, main, flags(corpus, shared_tmp, activation_checkpointing=True, impl=impl, **extra))
+    assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory))
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "tp-sequence-parallel", "2d-sequence-parallel"])
+def test_activation_checkpointing_with_dropout_is_bit_identical(corpus, tmp_path_factory, shared_tmp, layout):
+    """Dropout 0.1 everywhere (under TP also each rank's own heads' stream, and with sequence parallelism the
+    residual stream's): the recompute draws every mask again as the forward drew it."""
+    main, ranks, extra = WITH_DROPOUT[layout]
+    run_distributed(ranks, main, flags(corpus, shared_tmp, dropout=DROPOUT, activation_checkpointing=True, **extra))
+    assert_identical(read_run(str(shared_tmp)), uninterrupted(corpus, tmp_path_factory, layout))
+
+
+@pytest.mark.parametrize("layout, options", [("fsdp", dict(compile=True)), ("tp", dict(compile=True)),
+                                             ("2d", dict(dtype="bfloat16", max_steps=3, sequence_parallel=True))])
+def test_activation_checkpointing_composes(corpus, shared_tmp, tmp_path_factory, layout, options):
+    """With --compile (the compiled block is what is recomputed) and with bf16 autocast (the recompute runs under
+    the forward's autocast state): the same results as without checkpointing."""
+    main, ranks, extra = LAYOUTS[layout]
+    argv = flags(corpus, shared_tmp, activation_checkpointing=True, **dict(extra, **options))
+    run_distributed(ranks, main, argv)
+    if "compile" in options:
+        assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory), COMPILE_TOLERANCE,
+                          COMPILE_WEIGHT_TOLERANCE)
+    else:
+        reference = single_run(corpus, tmp_path_factory, dtype="bfloat16", max_steps=3).losses
+        losses = read_run(str(shared_tmp)).losses
+        assert len(losses) == 3 and max(abs(a - b) / b for a, b in zip(losses, reference)) < BF16_TOLERANCE
+
+
+def test_activation_checkpointing_with_dropout_single(corpus, tmp_path_factory, shared_tmp):
+    out_dir = shared_folder(tmp_path_factory, "single_dropout")
+    with one_thread():
+        train_single.main(flags(corpus, out_dir, dropout=DROPOUT))
+        train_single.main(flags(corpus, shared_tmp, dropout=DROPOUT, activation_checkpointing=True))
+    assert_identical(read_run(str(shared_tmp)), read_run(str(out_dir)))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def main(argv=None):
         groups, parts = model.parameter_groups(), model.parts()
         clip_grad_norm = lambda limit: train_tp.clip_grad_norm_(parts, limit, tp_group)  # noqa: E731
     optimizer = training.make_optimizer(groups, args, device)
-    forward = training.compile_blocks(model) if args.compile else model
+    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)

@@ -160,7 +160,7 @@ def main(argv=None):
         ddp_model = DataParallel(model, args.bucket_mb)
     parts = training.parameter_parts(model)
     optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, device)
-    forward = training.compile_blocks(ddp_model) if args.compile else ddp_model
+    forward = training.wrap_blocks(ddp_model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)

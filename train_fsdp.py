@@ -148,13 +148,16 @@ class FullyShardedDataParallel(nn.Module):
         return self.shards.named_parameters(f"{prefix}.shards".lstrip("."), recurse, remove_duplicate)
 
     def gather(self, index, direction):
-        """Make unit `index` available, first starting the gather of the unit that runs next in this direction
-        (forward +1, backward -1) to overlap this one's compute; after the last unit comes the root again."""
+        """Make unit `index` available and point its modules at it, first starting the gather of the next unit this
+        way (forward +1, backward -1; after the last, the root) to overlap this one's compute. Views require grad in
+        backward too: --activation_checkpointing recomputes the forward there, which must save what forward saved."""
         following = self.order[(self.order.index(index) + direction) % len(self.order)]
         for flat in self.units[index] + self.units[following]:
             flat.gather(wait=False)
-        for flat in self.units[index]:
-            flat.gather()
+        with torch.enable_grad() if direction < 0 else nullcontext():
+            for flat in self.units[index]:
+                flat.gather()
+                flat.use_views()
 
     @torch.compiler.disable  # --compile: the model compiles between the units' hooks, which run as written
     def _before_forward(self, index, module, args):
@@ -168,8 +171,6 @@ class FullyShardedDataParallel(nn.Module):
             for local in (local for flat in self.flats for local in flat.locals):  # the last step's gradient:
                 local.grad = None  # views of it would keep it alive through this step
         self.gather(index, +1)
-        for flat in self.units[index]:
-            flat.use_views()
 
     @torch.compiler.disable
     def _after_forward(self, index, module, args, output):
@@ -286,7 +287,7 @@ def main(argv=None):
                                          initial_value=lambda name, param, flat: value(name, param.shape, flat=flat))
         groups, clip_grad_norm, parts = model.parameter_groups(), model.clip_grad_norm_, model.parts()
     optimizer = training.make_optimizer(groups, args, device)
-    forward = training.compile_blocks(model) if args.compile else model
+    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)

@@ -38,7 +38,7 @@ def main(argv=None):
     # ---- strategy: none; every parameter lives whole on this device
     parts = training.parameter_parts(model)
     optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, device)
-    forward = training.compile_blocks(model) if args.compile else model
+    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)

@@ -283,7 +283,7 @@ def main(argv=None):
 
     # ---- strategy: sharded matrices, replicated norms and biases; replicated tensors are saved by rank 0 only
     optimizer = training.make_optimizer(groups, args, device)
-    forward = training.compile_blocks(model) if args.compile else model
+    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
     start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)

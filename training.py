@@ -18,6 +18,7 @@ import shutil
 import signal
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from datetime import timedelta
 from typing import NamedTuple
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from safetensors import safe_open
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
@@ -108,6 +110,9 @@ def get_parser(description, out_dir="out"):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="bfloat16: autocast, float32 master weights")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    p.add_argument("--activation_checkpointing", action="store_true",
+                   help="keep only each block's input for backward and recompute the rest: less memory, ~1/3 more "
+                        "compute")
     p.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA (faster; float32 results differ ~1e-3)")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flash"],
                    help="attention kernel: torch's scaled_dot_product_attention, or flash-attn (CUDA, bfloat16)")
@@ -501,15 +506,45 @@ def clip_grad_norm_(counted, grads, max_norm, group=None):
     return norm
 
 
-def compile_blocks(model):
-    """--compile: torch.compile each transformer block's forward, as torchtitan does; returns the model. A model
-    compiled whole runs its backward as one autograd node, so every gradient hook (DDP's bucket all-reduces) fires
-    only after all of backward, and module hooks (FSDP's gathers) break the graph. Compiled block by block, the
-    strategies' hooks run between compiled pieces, where they overlap communication with compute."""
+def wrap_blocks(model, compile=False, activation_checkpointing=False):
+    """Each transformer block's forward compiled (--compile) and recomputed in backward (--activation_checkpointing);
+    returns the model. Compiled block by block, as torchtitan does: a model compiled whole runs its backward as one
+    autograd node, so every gradient hook (DDP's bucket all-reduces) fires only after all of backward, and module
+    hooks (FSDP's gathers) break the graph; here the strategies' hooks run between compiled pieces, where they
+    overlap communication with compute. Checkpointed blocks keep only their input for backward and run forward
+    again when backward reaches them: the strategy's hooks have made the block's weights available by then."""
     for module in model.modules():
         if isinstance(module, gpt.Block):
-            module.forward = torch.compile(module.forward)
+            forward = torch.compile(module.forward) if compile else module.forward
+            module.forward = recomputed(forward) if activation_checkpointing else forward
     return model
+
+
+def recomputed(forward):
+    """forward, run under torch's non-reentrant checkpoint when autograd records: nothing it computes is saved for
+    backward but its inputs, and backward calls forward again, with the random state restored: torch restores the
+    default generators (CPU, and the inputs' GPU), recompute_streams restores our RNGStreams, so every dropout
+    mask is drawn again as it was."""
+    def run(*args):
+        if not torch.is_grad_enabled():  # evaluation and sampling: nothing to save, nothing to recompute
+            return forward(*args)
+        streams = {name: stream.state for name, stream in rng_streams.items()}  # as this forward finds them
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
+                                                 context_fn=lambda: (nullcontext(), recompute_streams(streams)))
+    return run
+
+
+@contextmanager
+def recompute_streams(states):
+    """Each RNGStream as the original forward found it, for the recompute; then as the recompute found it."""
+    current = {name: stream.state for name, stream in rng_streams.items()}
+    for name, state in states.items():
+        rng_streams[name].state = state
+    try:
+        yield
+    finally:
+        for name, state in current.items():
+            rng_streams[name].state = state
 
 
 def set_lr(optimizer, step, args):
