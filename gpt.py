@@ -46,6 +46,17 @@ PRESETS = {
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    # GPT-3's shapes (Brown et al. 2020, table 2.1; trained with a context of 2048), with head counts divisible by 8
+    # so that --tp 1, 2, 4 and 8 all hold whole heads: 125M has 16 heads of 48 (the paper's 12 of 64), 1.3B 16 of
+    # 128 (the table's 24 x 128 is not its d_model of 2048), 13B d_model 5120 = 40 x 128 (the table prints 5140).
+    "gpt3-125m": dict(n_layer=12, n_head=16, n_embd=768),
+    "gpt3-350m": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt3-760m": dict(n_layer=24, n_head=16, n_embd=1536),
+    "gpt3-1.3b": dict(n_layer=24, n_head=16, n_embd=2048),
+    "gpt3-2.7b": dict(n_layer=32, n_head=32, n_embd=2560),
+    "gpt3-6.7b": dict(n_layer=32, n_head=32, n_embd=4096),
+    "gpt3-13b": dict(n_layer=40, n_head=40, n_embd=5120),
+    "gpt3-175b": dict(n_layer=96, n_head=96, n_embd=12288),
 }
 
 

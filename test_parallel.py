@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -468,11 +469,12 @@ def _presets_on_meta():
 
 def test_every_preset_builds_at_every_tensor_parallel_degree():
     """On meta, in seconds: every preset at --tp 2, 4 and 8 where n_head allows it. GPT-2's head counts (4, 12, 16,
-    20, 25) leave --tp 8 to gpt2-medium alone and no degree of 2, 4, 8 to gpt2-xl (the README says so); the layout
+    20, 25) leave --tp 8 to gpt2-medium alone among them and no degree of 2, 4, 8 to gpt2-xl (the README says so); the layout
     check names the flag to change."""
     built = run_distributed(8, _presets_on_meta)[0]
+    gpt3 = {preset for preset in gpt.PRESETS if preset.startswith("gpt3")}  # head counts chosen for --tp 8
     assert {tp: {preset for preset, degree in built if degree == tp} for tp in (2, 4, 8)} == {
-        2: set(gpt.PRESETS) - {"gpt2-xl"}, 4: set(gpt.PRESETS) - {"gpt2-xl"}, 8: {"gpt2-medium"}}
+        2: set(gpt.PRESETS) - {"gpt2-xl"}, 4: set(gpt.PRESETS) - {"gpt2-xl"}, 8: {"gpt2-medium"} | gpt3}
     with pytest.raises(ValueError, match="n_head \\(25\\) is not divisible by --tp 2"):
         training.check_tensor_parallel(gpt.make_config("gpt2-xl", 50257, 1024), 2, False)
 
@@ -2611,6 +2613,134 @@ def test_activation_checkpointing_with_dropout_single(corpus, tmp_path_factory, 
         train_single.main(flags(corpus, out_dir, dropout=DROPOUT))
         train_single.main(flags(corpus, shared_tmp, dropout=DROPOUT, activation_checkpointing=True))
     assert_identical(read_run(str(shared_tmp)), read_run(str(out_dir)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --plan, the memory planner (training.plan_memory): measured, not trusted. A real run of each layout reports what
+# one rank holds: its parameters, gradients and AdamW state after the first optimizer step (every storage once),
+# and the tensors autograd saves for backward during the first micro-batch's forward (saved-tensor hooks; under
+# FSDP its own pack hook, which keeps gathered weights by reference, tells what it keeps; the rank's parameters
+# are not activations). The plan must give the first three to the byte and the activations within 10%.
+
+PLANNED = {  # script, ranks, extra flags, the Layout's (strategy, dp, tp) and options
+    "single": (train_single.main, 1, {}, ("single", 1, 1), {}),
+    "ddp": (train_ddp.main, 2, {}, ("ddp", 2, 1), {}),
+    "fsdp": (train_fsdp.main, 2, {}, ("fsdp", 2, 1), {}),
+    "fsdp-3-ranks": (train_fsdp.main, 3, dict(global_batch=12), ("fsdp", 3, 1), {}),  # shards padded
+    "tp": (train_tp.main, 2, {}, ("tp", 1, 2), {}),
+    "tp-sequence-parallel": (train_tp.main, 2, dict(sequence_parallel=True), ("tp", 1, 2),
+                             dict(sequence_parallel=True)),
+    "tp-no-loss-parallel": (train_tp.main, 2, dict(no_loss_parallel=True), ("tp", 1, 2), dict(loss_parallel=False)),
+    "2d": (train_2d.main, 4, dict(tp=2, dp=2), ("2d", 2, 2), {}),
+    "2d-sequence-parallel": (train_2d.main, 4, dict(tp=2, dp=2, sequence_parallel=True), ("2d", 2, 2),
+                             dict(sequence_parallel=True)),
+}
+ACTIVATION_TOLERANCE = 0.10  # the issue's bound; measured on these configs: within 0.01% (storages a few bytes larger)
+
+
+def _storage_bytes(tensors):
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _memory_held(main, argv):
+    """main(argv) on this rank; returns what it held: {parameters, gradients, optimizer, activations} in bytes."""
+    measured, saved, parameters = {}, {}, set()
+
+    def keep(tensor):  # a saved-tensor pack hook: count each storage once, the rank's parameters not at all
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    real_pack, real_wrap_blocks = train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks
+
+    def fsdp_pack(self, tensor):
+        packed = real_pack(self, tensor)
+        return keep(packed) if packed is tensor else packed
+
+    def wrap_blocks(model, *args):
+        model = real_wrap_blocks(model, *args)
+        parameters.update(p.untyped_storage().data_ptr() for p in model.parameters())
+        forward = model.forward
+
+        def counted(*inputs):
+            if not torch.is_grad_enabled() or "activations" in measured:  # evaluation; later micro-batches
+                return forward(*inputs)
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+                output = forward(*inputs)
+            measured["activations"] = sum(saved.values())
+            return output
+        model.forward = counted
+        return model
+
+    def after_step(optimizer, args, kwargs):
+        if "parameters" not in measured:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            measured.update(parameters=_storage_bytes(params), gradients=_storage_bytes([p.grad for p in params]),
+                            optimizer=sum(t.nbytes for state in optimizer.state.values() for t in state.values()))
+
+    train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks = fsdp_pack, wrap_blocks
+    handle = register_optimizer_step_post_hook(after_step)
+    try:
+        with one_thread():
+            main(argv)
+    finally:
+        handle.remove()
+        train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks = real_pack, real_wrap_blocks
+    return measured
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation-checkpointing"])
+@pytest.mark.parametrize("layout", list(PLANNED))
+def test_plan_matches_what_a_run_holds(corpus, shared_tmp, layout, checkpointing):
+    main, ranks, extra, (strategy, dp, tp), options = PLANNED[layout]
+    argv = flags(corpus, shared_tmp, max_steps=1, activation_checkpointing=checkpointing, **extra)
+    held = run_distributed(ranks, _memory_held, main, argv)
+    assert all(rank == held[0] for rank in held)  # every rank of these layouts holds alike
+    micro_batch = 2
+    plan = dict(training.plan_memory(gpt.make_config("tiny", 256, 32), training.Layout(
+        strategy, ranks, dp, tp, micro_batch, activation_checkpointing=checkpointing, **options)))
+    planned = lambda prefix: sum(size for item, size in plan.items() if item.startswith(prefix))  # noqa: E731
+    assert (planned("parameters"), planned("gradients"), planned("AdamW")) == (
+        held[0]["parameters"], held[0]["gradients"], held[0]["optimizer"])
+    activations = planned("activations") + planned("embeddings") + planned("loss")
+    print(f"{layout}: activations planned {activations:,} bytes, measured {held[0]['activations']:,}")
+    assert abs(activations - held[0]["activations"]) <= ACTIVATION_TOLERANCE * held[0]["activations"]
+
+
+def test_plan_prints_without_building_the_model(capsys, tmp_path):
+    """GPT-3 175B on 64 GPUs of 80 GB, in seconds and on meta: every item, the total and the verdict; nothing is
+    written. The same model on one GPU does not fit, and the verdict says what to try."""
+    argv = ["--plan", "--world_size", "64", "--tp", "8", "--model", "gpt3-175b", "--block_size", "2048",
+            "--micro_batch", "1", "--global_batch", "64", "--dtype", "bfloat16", "--activation_checkpointing",
+            "--data", str(tmp_path / "not_prepared"), "--out_dir", str(tmp_path / "out")]
+    start = time.perf_counter()
+    code, printed = command_line(train_2d.main, argv, capsys)
+    assert code == 0 and time.perf_counter() - start < 30
+    assert "gpt3-175b (174.6B parameters, vocabulary 50,257) | 2d on 64 ranks (dp 8 x tp 8)" in printed
+    for item in ("parameters", "gradients", "AdamW state", "activations of the blocks", "gathered weights",
+                 "total, one rank"):
+        assert item in printed
+    assert re.search(r"fits on 80 GB with [\d.]+ GB free", printed)
+    assert not (tmp_path / "out").exists()
+    code, printed = command_line(train_single.main, ["--plan", "--model", "gpt3-175b", "--data", str(tmp_path)],
+                                 capsys)
+    assert code == 0 and re.search(r"does not fit: needs [\d,.]+ GB; try .*train_fsdp.py", printed)
+
+
+def test_activation_checkpointing_keeps_only_block_inputs():
+    """Planned: with checkpointing each block keeps its input alone (float32 [b, s, h]); the GPT-3 presets at
+    every tensor-parallel degree plan on meta."""
+    config = gpt.make_config("tiny", 256, 32)
+    layout = training.Layout("single", 1, 1, 1, 2)
+    without = dict(training.plan_memory(config, layout))["activations of the blocks"]
+    with_it = dict(training.plan_memory(config, layout._replace(activation_checkpointing=True)))
+    assert with_it["activations of the blocks"] == config.n_layer * 2 * 32 * 128 * 4 < without / 10
+    for preset in (p for p in gpt.PRESETS if p.startswith("gpt3")):
+        for tp in (1, 2, 4, 8):
+            config = gpt.make_config(preset, 50257, 2048)
+            training.check_tensor_parallel(config, tp, True)
+            assert training.plan_memory(config, training.Layout("2d", 8 * tp, 8, tp, 1, "bfloat16"))
 
 
 # ------------------------------------------------------------------------------------------------------------

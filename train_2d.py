@@ -40,7 +40,7 @@ def new_groups(tp, dp):
 
 
 def main(argv=None):
-    parser = training.get_parser(__doc__, "out/2d")
+    parser = training.get_parser(__doc__, "2d")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="torch: DTensor + FSDP2 on a DeviceMesh")
     parser.add_argument("--tp", type=training.positive_int, default=2, help="tensor-parallel size (inside a node)")
@@ -51,13 +51,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     # ---- process groups: a dp x tp grid; tensor-parallel peers share a data-parallel rank and its rows
-    rank, local_rank, world_size = training.launched_rank()
+    rank, local_rank, world_size = training.launched_rank(args)
     tp, dp = args.tp, args.dp or max(1, world_size // args.tp)
     if tp * dp != world_size:
         launch = f"launch it with torchrun --nproc_per_node={tp * dp}" if world_size == 1 else \
             f"choose --tp and --dp whose product is {world_size}"
         raise training.UsageError(f"--tp {tp} x --dp {dp} = {tp * dp} ranks, but the world has {world_size}: {launch}")
     dp_rank, dp_size = rank // tp, dp
+    if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
+        return training.print_plan(args, world_size, dp_size)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective

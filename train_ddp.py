@@ -128,15 +128,17 @@ class DataParallel(nn.Module):
 
 
 def main(argv=None):
-    parser = training.get_parser(__doc__, "out/ddp")
+    parser = training.get_parser(__doc__, "ddp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="ours: DataParallel above; torch: torch.nn.parallel.DistributedDataParallel")
     parser.add_argument("--bucket_mb", type=training.positive, default=25, help="largest gradient bucket, in MiB")
     args = parser.parse_args(argv)
 
     # ---- process groups: every rank is one data-parallel rank holding the whole model
-    rank, local_rank, world_size = training.launched_rank()
+    rank, local_rank, world_size = training.launched_rank(args)
     dp_rank, dp_size = rank, world_size
+    if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
+        return training.print_plan(args, world_size, dp_size)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective

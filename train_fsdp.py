@@ -249,17 +249,18 @@ class FullyShardedDataParallel(nn.Module):
 
 
 def main(argv=None):
-    parser = training.get_parser(__doc__, "out/fsdp")
+    parser = training.get_parser(__doc__, "fsdp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
-    parser.add_argument("--no_reshard", action="store_true",
-                        help="keep each unit gathered from its forward to its backward")
+    parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
     parser.add_argument("--no_deferred_init", action="store_true",
                         help="build the whole model first (default: on meta; each rank initialises only its shards)")
     args = parser.parse_args(argv)
 
     # ---- process groups: every rank is one data-parallel rank holding 1/world of the model
-    rank, local_rank, world_size = training.launched_rank()
+    rank, local_rank, world_size = training.launched_rank(args)
     dp_rank, dp_size = rank, world_size
+    if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
+        return training.print_plan(args, world_size, dp_size)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective

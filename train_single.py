@@ -17,10 +17,12 @@ import training
 
 
 def main(argv=None):
-    args = training.get_parser(__doc__, "out/single").parse_args(argv)
+    args = training.get_parser(__doc__, "single").parse_args(argv)
 
     # ---- process groups: one process, one device; the data-parallel coordinates of the only rank
     rank, world_size, dp_rank, dp_size = 0, 1, 0, 1
+    if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
+        return training.print_plan(args, world_size, dp_size)
     device = training.get_device(args)
 
     # ---- data: every check of the arguments happens here, before any work

@@ -238,7 +238,7 @@ def clip_grad_norm_(parts, max_norm, tp_group):
 
 
 def main(argv=None):
-    parser = training.get_parser(__doc__, "out/tp")
+    parser = training.get_parser(__doc__, "tp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: DTensor parallelize_module")
     parser.add_argument("--tp", type=training.positive_int,
                         help="tensor-parallel size; here it must be the world size (default: the world size)")
@@ -247,11 +247,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     # ---- process groups: every rank is one tensor-parallel rank; they all read the same rows
-    rank, local_rank, world_size = training.launched_rank()
+    rank, local_rank, world_size = training.launched_rank(args)
     tp, dp_rank, dp_size = args.tp or world_size, 0, 1
     if tp != world_size:
         raise training.UsageError(f"--tp {tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so --tp "
                                   "must be the world size; use train_2d.py to combine it with data parallelism")
+    if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
+        return training.print_plan(args, world_size, dp_size)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
@@ -290,8 +292,7 @@ def main(argv=None):
     logger = training.Logger(args, config, device, rank, world_size)
     modes = ", ".join([args.impl] + ["sequence parallel"] * args.sequence_parallel
                       + ["loss parallel"] * (not args.no_loss_parallel))
-    logger.start(train_data, dp_size, start_step,
-                 layout=f"tensor parallel {tp} ({modes}) | ")
+    logger.start(train_data, dp_size, start_step, layout=f"tensor parallel {tp} ({modes}) | ")
 
     # ---- loop
     for step in range(start_step, args.max_steps):

@@ -84,10 +84,12 @@ non_negative = checked(float, lambda x: 0 <= x < math.inf, "a number >= 0")  # N
 probability = checked(float, lambda x: 0 <= x < 1, "a probability in [0, 1)")
 
 
-def get_parser(description, out_dir="out"):
-    """The flags every script shares; out_dir: this script's default --out_dir, so runs of different scripts
-    never meet in one folder."""
+def get_parser(description, strategy="single"):
+    """The flags every script shares. strategy: the script's (single, ddp, fsdp, tp, 2d), for --plan, and its
+    default --out_dir, out/<strategy>, so runs of different scripts never meet in one folder."""
     p = ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p.set_defaults(strategy=strategy)
+    out_dir = f"out/{strategy}"
     p.add_argument("--model", default=None, choices=list(gpt.PRESETS),
                    help="model size, from gpt.py's presets (default: tiny, or --init_from's)")
     p.add_argument("--init_from", default=None,
@@ -128,6 +130,11 @@ def get_parser(description, out_dir="out"):
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir, if any")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     add_sampling_flags(p)
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory one rank needs in this layout, item by item, and exit without training")
+    p.add_argument("--world_size", type=positive_int,
+                   help="--plan: the ranks to plan for (default: torchrun's WORLD_SIZE, or 1)")
+    p.add_argument("--gpu_memory", type=positive, default=80, help="--plan: one GPU's memory, in GB (10^9 bytes)")
     p.add_argument("--timeout", type=positive, default=600, help="seconds a collective may wait before the run fails")
     p.add_argument("--log_all_ranks", action="store_true", help="every rank prints its progress, not only rank 0")
     p.add_argument("--tensorboard", action="store_true",
@@ -225,10 +232,14 @@ def check_tensor_parallel(config, tp, sequence_parallel):
             raise UsageError(f"{what} ({n}) is not divisible by --tp {tp}: choose a --tp that divides it or {fix}")
 
 
-def launched_rank():
-    """(RANK, LOCAL_RANK, WORLD_SIZE) as torchrun sets them; a plain `python` start is rank 0 of 1."""
-    return tuple(int(os.environ.get(key, default)) for key, default in
-                 (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+def launched_rank(args=None):
+    """(RANK, LOCAL_RANK, WORLD_SIZE) as torchrun sets them; a plain `python` start is rank 0 of 1. --plan plans
+    for --world_size ranks where given."""
+    rank, local_rank, world_size = (int(os.environ.get(key, default)) for key, default in
+                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    if args is not None and args.plan and args.world_size:
+        return rank, local_rank, args.world_size
+    return rank, local_rank, world_size
 
 
 def init_distributed(args, script, device):
@@ -955,6 +966,170 @@ def set_rng_state(state, device):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Memory planning (--plan): the bytes one rank holds, item by item, from the config and the layout alone. The
+# model is built on meta (no memory, seconds for 175B); each strategy's rules are re-stated here, and
+# test_parallel.py holds them to what real runs hold: parameters, gradients and AdamW state to the byte, the
+# tensors autograd saves for backward within 10%.
+
+
+class Layout(NamedTuple):
+    strategy: str  # single, ddp, fsdp, tp, 2d
+    world_size: int
+    dp: int  # data-parallel degree: FSDP's shard count in fsdp and 2d
+    tp: int  # tensor-parallel degree
+    micro_batch: int  # sequences per rank per micro-step
+    dtype: str = "float32"  # compute dtype: bfloat16 is autocast (single, ddp, tp) or FSDP's gathered dtype
+    sequence_parallel: bool = False
+    loss_parallel: bool = True
+    activation_checkpointing: bool = False
+    reshard: bool = True  # FSDP frees each block's gathered weights after its forward (--no_reshard: keeps them)
+
+
+def layout_of(args, world_size, dp_size, micro_batch):
+    """The Layout a script's flags describe on world_size ranks, dp_size of them data-parallel."""
+    return Layout(args.strategy, world_size, dp_size, world_size // dp_size, micro_batch, args.dtype,
+                  getattr(args, "sequence_parallel", False), not getattr(args, "no_loss_parallel", False),
+                  args.activation_checkpointing, not getattr(args, "no_reshard", False))
+
+
+# Tensor parallelism slices these (train_tp.py): q, k, v and fc by output rows (weight and bias), both projections'
+# weights by input columns, the embedding by vocabulary rows; layer norms, wpe and the projections' biases are whole.
+TENSOR_PARALLEL_SLICED = re.compile(r"^wte\.weight$|\.(query|key|value|fc)\.(weight|bias)$|\.proj\.weight$")
+
+
+def parameter_plan(config, layout):
+    """(elements of parameters this rank keeps, tensors its optimizer steps, elements of the largest gathered block
+    unit and of the gathered root unit (FSDP), elements autocast copies to bfloat16 (the matmuls' weights and
+    biases)): what the strategies build, counted on meta."""
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    units, tensors, cast = {}, 0, 0  # units: FSDP's unit ("" the root, or a block) -> {is a matrix: elements}
+    for name, param in model.named_parameters():
+        local = param.numel() // (layout.tp if TENSOR_PARALLEL_SLICED.search(name) else 1)
+        kinds = units.setdefault(".".join(name.split(".")[:2]) if name.startswith("blocks.") else "", {})
+        kinds[param.dim() >= 2] = kinds.get(param.dim() >= 2, 0) + local
+        tensors += 1
+        cast += local if not (".ln_" in name or name.startswith(("ln_f", "wpe"))) else 0
+    if layout.strategy not in ("fsdp", "2d"):
+        return sum(n for kinds in units.values() for n in kinds.values()), tensors, 0, 0, cast
+    shards = {unit: [-(-n // layout.dp) for n in kinds.values()] for unit, kinds in units.items()}  # padded to dp
+    gathered = {unit: sum(sizes) * layout.dp for unit, sizes in shards.items()}
+    return (sum(map(sum, shards.values())), sum(map(len, shards.values())),
+            max(size for unit, size in gathered.items() if unit), gathered[""], 0)
+
+
+def activation_plan(config, layout):
+    """Bytes autograd saves for backward during one micro-batch's forward, as {item: bytes}; and the bytes one
+    block's recompute and backward hold for a moment under --activation_checkpointing. Measured on CPU in float32
+    (test_parallel.py); bfloat16 follows autocast's rules: layer norms and the residual stream in float32, a
+    bfloat16 copy of a matmul's input for each matmul; dropout masks as CUDA keeps them (one byte each)."""
+    b, s, h, L = layout.micro_batch, config.block_size, config.n_embd, config.n_layer
+    t, e = layout.tp, (2 if layout.dtype == "bfloat16" else 4)
+    shard = t if layout.sequence_parallel else 1  # the residual stream is split over the sequence under SP
+    residual = b * (s // shard) * h * (2 if e == 2 and layout.strategy in ("fsdp", "2d") else 4)
+    block = (2 * residual  # the two layer norms' inputs
+             + 2 * 2 * b * (s // shard) * 4  # and their means and reciprocal deviations, float32
+             + 8 * b * s * h  # the column-parallel linears' inputs, whole sequence (SP gathers it): shared in
+             # float32 by q, k, v (4 bytes x 2), a bfloat16 copy for each of q, k, v and fc (2 bytes x 4)
+             + 4 * b * s * h // t * e  # q, k, v and the attention output, this rank's heads
+             + b * (config.n_head // t) * s * 4  # attention's log-sum-exp per head and token
+             + 2 * b * s * 4 * h // t * e  # the MLP's fc output (GELU's input) and GELU's output
+             + (2 * b * (s // shard) * h if config.dropout else 0))  # the two residual dropouts' masks
+    vocab_parallel = layout.tp > 1 and layout.loss_parallel  # a softmax over this rank's padded slice, and a mask
+    vocab = config.padded_vocab_size // t if vocab_parallel else config.vocab_size
+    items = {
+        "activations of the blocks": L * (residual if layout.activation_checkpointing else block),
+        "embeddings and final layer norm": (b * s * 8 + s * 8 + (b * s if t > 1 else 0)  # ids, positions, TP's mask
+                                            + residual + 2 * b * (s // shard) * 4 + b * s * h * (4 if e == 4 else 2)
+                                            + (b * (s // shard) * h if config.dropout else 0)),
+        "loss (softmax of the logits)": b * s * vocab * 4 + b * s * (9 if vocab_parallel else 8),
+    }
+    return items, (block if layout.activation_checkpointing else 0)
+
+
+def plan_memory(config, layout):
+    """[(item, bytes)] one rank holds at its peak in this layout: what lives all run, one micro-batch's saved
+    activations, and what exists at once during a step (gathered units, logits and their gradient)."""
+    params, tensors, unit, root, matmul_weights = parameter_plan(config, layout)
+    activations, recompute = activation_plan(config, layout)
+    e = 2 if layout.dtype == "bfloat16" else 4
+    fsdp = layout.strategy in ("fsdp", "2d")
+    logits = layout.micro_batch * config.block_size * config.padded_vocab_size // (
+        layout.tp if layout.tp > 1 and layout.loss_parallel else 1)
+    rows = [("parameters (float32)", 4 * params),
+            ("gradients (float32)", 4 * params),
+            ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * tensors)]
+    if e == 2 and not fsdp:
+        rows.append(("bfloat16 copies of the weights (autocast)", 2 * matmul_weights))
+    rows += list(activations.items())
+    if recompute:
+        rows.append(("one block recomputed in backward (--activation_checkpointing)", recompute))
+    if fsdp:
+        units = config.n_layer if not layout.reshard else 2  # the one computing and the one prefetched
+        rows.append((f"gathered weights: the root and {units} block units ({layout.dtype})", e * (root + units * unit)))
+        rows.append(("a block unit's gradient in reduce-scatter (float32)", 4 * unit + (2 * unit if e == 2 else 0)))
+    rows.append(("logits and their gradient", logits * (e + 4)))
+    return rows
+
+
+def format_bytes(size):
+    return f"{size / 1e9:,.2f} GB" if size >= 1e9 else f"{size / 1e6:,.1f} MB"
+
+
+def plan_verdict(total, gpu_memory_gb, layout, rows):
+    """One line: whether `total` bytes fit in gpu_memory_gb (10^9 bytes), and if not what to change."""
+    budget = gpu_memory_gb * 1e9
+    if total <= budget:
+        return f"fits on {gpu_memory_gb:g} GB with {(budget - total) / 1e9:.1f} GB free"
+    largest = max(rows, key=lambda row: row[1])[0]
+    advice = []
+    if not layout.activation_checkpointing:
+        advice.append("--activation_checkpointing")
+    if layout.micro_batch > 1:
+        advice.append("a smaller --micro_batch")
+    if "activations" not in largest or not advice:
+        advice.append("train_fsdp.py or a larger --dp" if layout.strategy in ("single", "ddp", "tp")
+                      else "a larger --tp (train_2d.py) or more GPUs")
+    return f"does not fit: needs {total / 1e9:.1f} GB; try {' or '.join(advice)}"
+
+
+def plan_config(args):
+    """The model --plan describes: --model's preset with the data's vocabulary (meta.json; the default corpus's
+    bytes before it is built; GPT-2's 50,257 tokens for a folder not prepared yet)."""
+    if os.path.exists(os.path.join(args.data, "meta.json")):
+        vocab_size = load_meta(args.data)["vocab_size"]
+    else:
+        vocab_size = 256 if args.data == DEFAULT_DATA_DIR else 50257
+    preset = args.model or (args.init_from if args.init_from in gpt.PRESETS else "tiny")
+    return gpt.make_config(preset, vocab_size, args.block_size, args.dropout), preset
+
+
+def print_plan(args, world_size, dp_size):
+    """--plan: print what one rank of this layout needs, item by item, and whether it fits in --gpu_memory."""
+    config, preset = plan_config(args)
+    if args.micro_batch is None and args.global_batch % dp_size:
+        raise UsageError(f"--global_batch {args.global_batch} does not split over {dp_size} data-parallel ranks: "
+                         f"choose a multiple of {dp_size}")
+    layout = layout_of(args, world_size, dp_size, args.micro_batch or args.global_batch // dp_size)
+    if layout.tp > 1:
+        check_tensor_parallel(config, layout.tp, layout.sequence_parallel)
+    rows = plan_memory(config, layout)
+    total = sum(size for _, size in rows)
+    with torch.device("meta"):
+        num_params = gpt.GPT(config).num_params()
+    size = f"{num_params / 1e9:,.1f}B" if num_params >= 1e9 else f"{num_params / 1e6:,.1f}M"
+    print(f"plan: {preset} ({size} parameters, vocabulary {config.vocab_size:,}) | {layout.strategy}"
+          f" on {world_size} rank{'s' * (world_size > 1)} (dp {layout.dp} x tp {layout.tp}) | micro batch "
+          f"{layout.micro_batch} x {config.block_size} tokens | {layout.dtype}"
+          + " | activation checkpointing" * layout.activation_checkpointing
+          + " | sequence parallel" * layout.sequence_parallel)
+    for item, size in rows + [("total, one rank", total)]:
+        print(f"  {item:66} {format_bytes(size):>11}")
+    print(plan_verdict(total, args.gpu_memory, layout, rows))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Metrics and logging
 
 # Peak dense bf16 tensor-core FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name().
@@ -988,7 +1163,7 @@ class Logger:
     <out_dir>/metrics.jsonl with TensorBoard and Weights & Biases when asked for (optional packages)."""
 
     def __init__(self, args, config, device, rank=0, world_size=1):
-        self.args, self.device, self.world_size = args, device, world_size
+        self.args, self.config, self.device, self.world_size = args, config, device, world_size
         self.writes, self.prints = rank == 0, rank == 0 or args.log_all_ranks
         self.prefix = f"[rank {rank}] " if args.log_all_ranks else ""
         with torch.device("meta"):  # the whole model's counts, whatever part of it this rank holds
@@ -1016,13 +1191,15 @@ class Logger:
 
     def start(self, sampler, dp_size, start_step, layout=""):
         model = self.args.init_from or self.args.model or "tiny"
+        planned = sum(size for _, size in plan_memory(self.config, layout_of(self.args, self.world_size, dp_size,
+                                                                             sampler.micro_batch)))
         origin = (f"resuming at step {start_step}" if start_step else
                   f"from {self.args.init_from}'s weights" if self.args.init_from else "from scratch")
         self.print(f"{model}: {self.num_params / 1e6:.2f}M parameters | {self.world_size} rank"
                    f"{'s' * (self.world_size > 1)} on {self.device} | {layout}global batch {self.args.global_batch} = "
                    f"micro batch {sampler.micro_batch} x {sampler.accumulation} accumulation x {dp_size} data-parallel"
                    f" | {origin} | ready in {time.perf_counter() - IMPORTED:.1f} s, peak "
-                   f"{peak_memory_mb(self.device):,.0f} MB")
+                   f"{peak_memory_mb(self.device):,.0f} MB | planned peak {format_bytes(planned)} a rank (--plan)")
 
     def due(self, step, val_loss):
         return step % self.args.log_interval == 0 or step + 1 == self.args.max_steps or val_loss is not None
