@@ -2635,7 +2635,8 @@ PLANNED = {  # script, ranks, extra flags, the Layout's (strategy, dp, tp) and o
     "2d-sequence-parallel": (train_2d.main, 4, dict(tp=2, dp=2, sequence_parallel=True), ("2d", 2, 2),
                              dict(sequence_parallel=True)),
 }
-ACTIVATION_TOLERANCE = 0.10  # the issue's bound; measured on these configs: within 0.01% (storages a few bytes larger)
+ACTIVATION_TOLERANCE = 0.10  # the issue's bound; measured: float32 within 0.01% (a storage a few bytes larger),
+# bfloat16 within 0.5% (autocast's copies of biases, which the plan counts and addmm does not save)
 
 
 def _storage_bytes(tensors):
@@ -2690,20 +2691,26 @@ def _memory_held(main, argv):
     return measured
 
 
+BF16_PLANNED = ["single", "fsdp", "2d-sequence-parallel"]  # bf16 is slow on CPU: the three kinds of autocast rules
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation-checkpointing"])
-@pytest.mark.parametrize("layout", list(PLANNED))
-def test_plan_matches_what_a_run_holds(corpus, shared_tmp, layout, checkpointing):
+@pytest.mark.parametrize("layout, dtype", [(layout, "float32") for layout in PLANNED]
+                         + [(layout, "bfloat16") for layout in BF16_PLANNED])
+def test_plan_matches_what_a_run_holds(corpus, shared_tmp, layout, dtype, checkpointing):
+    """In bfloat16 the activations include autocast's copies of the weights that the matmuls save (the plan's
+    "bfloat16 copies" row), and the plan follows CPU's autocast (Layout.device)."""
     main, ranks, extra, (strategy, dp, tp), options = PLANNED[layout]
-    argv = flags(corpus, shared_tmp, max_steps=1, activation_checkpointing=checkpointing, **extra)
+    argv = flags(corpus, shared_tmp, max_steps=1, activation_checkpointing=checkpointing, dtype=dtype, **extra)
     held = run_distributed(ranks, _memory_held, main, argv)
     assert all(rank == held[0] for rank in held)  # every rank of these layouts holds alike
     micro_batch = 2
     plan = dict(training.plan_memory(gpt.make_config("tiny", 256, 32), training.Layout(
-        strategy, ranks, dp, tp, micro_batch, activation_checkpointing=checkpointing, **options)))
+        strategy, ranks, dp, tp, micro_batch, dtype, activation_checkpointing=checkpointing, device="cpu", **options)))
     planned = lambda prefix: sum(size for item, size in plan.items() if item.startswith(prefix))  # noqa: E731
     assert (planned("parameters"), planned("gradients"), planned("AdamW")) == (
         held[0]["parameters"], held[0]["gradients"], held[0]["optimizer"])
-    activations = planned("activations") + planned("embeddings") + planned("loss")
+    activations = planned("activations") + planned("embeddings") + planned("loss") + planned("bfloat16 copies")
     print(f"{layout}: activations planned {activations:,} bytes, measured {held[0]['activations']:,}")
     assert abs(activations - held[0]["activations"]) <= ACTIVATION_TOLERANCE * held[0]["activations"]
 

@@ -983,13 +983,14 @@ class Layout(NamedTuple):
     loss_parallel: bool = True
     activation_checkpointing: bool = False
     reshard: bool = True  # FSDP frees each block's gathered weights after its forward (--no_reshard: keeps them)
+    device: str = "cuda"  # where it runs: autocast's rules differ a little between CUDA and CPU
 
 
-def layout_of(args, world_size, dp_size, micro_batch):
-    """The Layout a script's flags describe on world_size ranks, dp_size of them data-parallel."""
+def layout_of(args, world_size, dp_size, micro_batch, device):
+    """The Layout a script's flags describe on world_size ranks, dp_size of them data-parallel, on device (a type)."""
     return Layout(args.strategy, world_size, dp_size, world_size // dp_size, micro_batch, args.dtype,
                   getattr(args, "sequence_parallel", False), not getattr(args, "no_loss_parallel", False),
-                  args.activation_checkpointing, not getattr(args, "no_reshard", False))
+                  args.activation_checkpointing, not getattr(args, "no_reshard", False), device)
 
 
 # Tensor parallelism slices these (train_tp.py): q, k, v and fc by output rows (weight and bias), both projections'
@@ -1020,17 +1021,21 @@ def parameter_plan(config, layout):
 
 def activation_plan(config, layout):
     """Bytes autograd saves for backward during one micro-batch's forward, as {item: bytes}; and the bytes one
-    block's recompute and backward hold for a moment under --activation_checkpointing. Measured on CPU in float32
-    (test_parallel.py); bfloat16 follows autocast's rules: layer norms and the residual stream in float32, a
-    bfloat16 copy of a matmul's input for each matmul; dropout masks as CUDA keeps them (one byte each)."""
+    block's recompute and backward hold for a moment under --activation_checkpointing. Float32 is exact (measured on
+    CPU, test_parallel.py). bfloat16 follows autocast's rules: each matmul saves its own bfloat16 copy of its
+    input; the residual stream stays float32 (the weights are) except under FSDP, whose weights are gathered in
+    bfloat16; a layer norm runs in float32 on CUDA (saving a float32 copy of its input), in its input's dtype on
+    CPU. Dropout masks count as CUDA keeps them, one byte an element."""
     b, s, h, L = layout.micro_batch, config.block_size, config.n_embd, config.n_layer
     t, e = layout.tp, (2 if layout.dtype == "bfloat16" else 4)
     shard = t if layout.sequence_parallel else 1  # the residual stream is split over the sequence under SP
-    residual = b * (s // shard) * h * (2 if e == 2 and layout.strategy in ("fsdp", "2d") else 4)
-    block = (2 * residual  # the two layer norms' inputs
-             + 2 * 2 * b * (s // shard) * 4  # and their means and reciprocal deviations, float32
-             + 8 * b * s * h  # the column-parallel linears' inputs, whole sequence (SP gathers it): shared in
-             # float32 by q, k, v (4 bytes x 2), a bfloat16 copy for each of q, k, v and fc (2 bytes x 4)
+    low_precision_norms = e == 2 and layout.strategy in ("fsdp", "2d") and layout.device == "cpu"
+    residual = b * (s // shard) * h * (2 if e == 2 and layout.strategy in ("fsdp", "2d") else 4)  # a block's input
+    norm = (b * (s // shard) * h + 2 * b * (s // shard)) * (2 if low_precision_norms else 4)  # input, mean, 1/std
+    block = (2 * norm  # the two layer norms
+             + (4 if low_precision_norms else 8) * b * s * h  # the column-parallel linears' inputs, whole sequence
+             # (SP gathers it): in float32 q, k and v share one (2 x 4 bytes), in bfloat16 q, k, v and fc cast their
+             # own (4 x 2 bytes), unless the layer norms' outputs are bfloat16 already (2 x 2 bytes)
              + 4 * b * s * h // t * e  # q, k, v and the attention output, this rank's heads
              + b * (config.n_head // t) * s * 4  # attention's log-sum-exp per head and token
              + 2 * b * s * 4 * h // t * e  # the MLP's fc output (GELU's input) and GELU's output
@@ -1040,7 +1045,7 @@ def activation_plan(config, layout):
     items = {
         "activations of the blocks": L * (residual if layout.activation_checkpointing else block),
         "embeddings and final layer norm": (b * s * 8 + s * 8 + (b * s if t > 1 else 0)  # ids, positions, TP's mask
-                                            + residual + 2 * b * (s // shard) * 4 + b * s * h * (4 if e == 4 else 2)
+                                            + norm + b * s * h * e  # the final norm; the LM head's input, whole sequence
                                             + (b * (s // shard) * h if config.dropout else 0)),
         "loss (softmax of the logits)": b * s * vocab * 4 + b * s * (9 if vocab_parallel else 8),
     }
@@ -1050,7 +1055,7 @@ def activation_plan(config, layout):
 def plan_memory(config, layout):
     """[(item, bytes)] one rank holds at its peak in this layout: what lives all run, one micro-batch's saved
     activations, and what exists at once during a step (gathered units, logits and their gradient)."""
-    params, tensors, unit, root, matmul_weights = parameter_plan(config, layout)
+    params, tensors, unit, root, cast = parameter_plan(config, layout)
     activations, recompute = activation_plan(config, layout)
     e = 2 if layout.dtype == "bfloat16" else 4
     fsdp = layout.strategy in ("fsdp", "2d")
@@ -1059,8 +1064,12 @@ def plan_memory(config, layout):
     rows = [("parameters (float32)", 4 * params),
             ("gradients (float32)", 4 * params),
             ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * tensors)]
-    if e == 2 and not fsdp:
-        rows.append(("bfloat16 copies of the weights (autocast)", 2 * matmul_weights))
+    if e == 2 and not fsdp:  # autocast's copies, saved by the matmuls; checkpointed blocks recast theirs
+        head = config.padded_vocab_size * config.n_embd // layout.tp
+        one_block = (cast - head) // config.n_layer
+        rows.append(("bfloat16 copies of the weights, saved for backward (autocast)",
+                     2 * (head if layout.activation_checkpointing else cast)))
+        recompute += 2 * one_block if layout.activation_checkpointing else 0
     rows += list(activations.items())
     if recompute:
         rows.append(("one block recomputed in backward (--activation_checkpointing)", recompute))
@@ -1110,7 +1119,8 @@ def print_plan(args, world_size, dp_size):
     if args.micro_batch is None and args.global_batch % dp_size:
         raise UsageError(f"--global_batch {args.global_batch} does not split over {dp_size} data-parallel ranks: "
                          f"choose a multiple of {dp_size}")
-    layout = layout_of(args, world_size, dp_size, args.micro_batch or args.global_batch // dp_size)
+    layout = layout_of(args, world_size, dp_size, args.micro_batch or args.global_batch // dp_size,
+                       "cpu" if args.device == "cpu" else "cuda")
     if layout.tp > 1:
         check_tensor_parallel(config, layout.tp, layout.sequence_parallel)
     rows = plan_memory(config, layout)
@@ -1191,8 +1201,9 @@ class Logger:
 
     def start(self, sampler, dp_size, start_step, layout=""):
         model = self.args.init_from or self.args.model or "tiny"
-        planned = sum(size for _, size in plan_memory(self.config, layout_of(self.args, self.world_size, dp_size,
-                                                                             sampler.micro_batch)))
+        plan = plan_memory(self.config, layout_of(self.args, self.world_size, dp_size, sampler.micro_batch,
+                                                  self.device.type))
+        planned = sum(size for _, size in plan)
         origin = (f"resuming at step {start_step}" if start_step else
                   f"from {self.args.init_from}'s weights" if self.args.init_from else "from scratch")
         self.print(f"{model}: {self.num_params / 1e6:.2f}M parameters | {self.world_size} rank"
