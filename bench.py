@@ -5,6 +5,8 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py --strategies ddp,fsdp --steps 30 --rounds 3
     python bench.py --model gpt2 --block_size 1024 --global_batch 32 --device cuda --dtype bfloat16 --compile
     python bench.py --gpu_check --device cuda --steps 20       # one command that checks a GPU machine
+    python bench.py --checkpointing                  # what --activation_checkpointing costs and saves, per strategy
+    python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (--plan's)
 
 Each run is a fresh `torchrun --standalone` of the training script for --steps optimizer steps. Runs are
 interleaved (round 1: ours, torch, ...; round 2: ours, torch, ...) so that drift of the machine hits both sides
@@ -25,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 
 import torch
 
@@ -72,6 +75,67 @@ def wire_bytes(kind, payload, n):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# What one rank holds, measured: the memory planner's test (test_parallel.py) and the checkpointing table use it
+
+
+@contextmanager
+def memory_held(measured):
+    """While inside, a training script's main() run in this process records in `measured` what its rank holds:
+    bytes of parameters, gradients and optimizer state after the first optimizer step, and of the tensors autograd
+    saves for backward during the first micro-batch's forward ("activations"), each storage once. Under our FSDP
+    its own pack hook decides what is kept (gathered weights by reference, so they are not counted); the rank's
+    parameters are never activations; a checkpointed block's inputs are (torch's checkpoint saves them)."""
+    import train_fsdp
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    saved, parameters = {}, set()
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    real_pack, real_wrap_blocks = train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks
+
+    def fsdp_pack(self, tensor):
+        packed = real_pack(self, tensor)
+        return keep(packed) if packed is tensor else packed
+
+    def wrap_blocks(model, *args):  # every script calls it once, on the model its loop runs
+        model = real_wrap_blocks(model, *args)
+        parameters.update(p.untyped_storage().data_ptr() for p in model.parameters())
+        forward = model.forward
+
+        def counted(*inputs):
+            if not torch.is_grad_enabled() or "activations" in measured:  # evaluation; later micro-batches
+                return forward(*inputs)
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+                output = forward(*inputs)
+            measured["activations"] = sum(saved.values())
+            return output
+        model.forward = counted
+        return model
+
+    def storage_bytes(tensors):
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    def after_step(optimizer, args, kwargs):
+        if "parameters" not in measured:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            measured.update(parameters=storage_bytes(params), gradients=storage_bytes([p.grad for p in params]),
+                            optimizer=sum(t.nbytes for state in optimizer.state.values() for t in state.values()))
+
+    train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks = fsdp_pack, wrap_blocks
+    handle = register_optimizer_step_post_hook(after_step)
+    try:
+        yield measured
+    finally:
+        handle.remove()
+        train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks = real_pack, real_wrap_blocks
+
+
+# ------------------------------------------------------------------------------------------------------------
 # The worker: runs inside each torchrun rank, wraps the script's main() with a profiler over one step
 
 
@@ -93,10 +157,9 @@ def worker(script, argv, profile_step, out_path):
             profiler.stop()
 
     register_optimizer_step_post_hook(after_optimizer_step)
-    spec = importlib.util.spec_from_file_location("bench_target", os.path.join(HERE, script))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(argv)
+    module = importlib.import_module(os.path.splitext(script)[0])  # by name: train_2d.py shares train_fsdp with it
+    with memory_held({}) as held:
+        module.main(argv)
     if int(os.environ.get("RANK", 0)) == 0:
         trace = out_path + ".trace.json"
         profiler.export_chrome_trace(trace)
@@ -106,7 +169,7 @@ def worker(script, argv, profile_step, out_path):
         collectives = [{"kind": collective_kind(e["name"]), "bytes": payload_bytes(e)} for e in events
                        if e.get("name", "").startswith(("gloo:", "nccl:"))]
         with open(out_path, "w") as f:
-            json.dump(collectives, f)
+            json.dump({"collectives": collectives, "held": held}, f)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -162,8 +225,9 @@ def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, t
     timed = [r for r in records if args.warmup <= r["step"] < args.steps - 2]
     step_ms = statistics.median(r["step_ms"] for r in timed)
     with open(comms_path) as f:
-        collectives = json.load(f)
-    return {"tokens_per_s": global_batch * args.block_size / (step_ms / 1000), "step_ms": step_ms,
+        recorded = json.load(f)
+    collectives = recorded["collectives"]
+    return {"activation_bytes": recorded["held"].get("activations"), "tokens_per_s": global_batch * args.block_size / (step_ms / 1000), "step_ms": step_ms,
             "peak_mem_mb": max(r["peak_mem_mb"] for r in records), "mfu": timed[-1]["mfu"],
             "comm_bytes": sum(wire_bytes(c["kind"], c["bytes"], group_size) for c in collectives),
             "collectives": len(collectives)}
@@ -195,6 +259,70 @@ def launch(script, flags, out_dir, ranks=1, threads=1):
         return None
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def checkpointing_cost(args, table, chosen, tmp):
+    """--checkpointing: each strategy (ours) without and with --activation_checkpointing, interleaved by round:
+    tokens/s, the bytes the first micro-batch saved for backward (measured: memory_held), and peak memory."""
+    runs = {}
+    for _ in range(args.rounds):
+        for name in chosen:
+            script, ranks, extra, impls, group_size, _formula = table[name]
+            for checkpointing in (False, True):
+                flags = extra + ["--activation_checkpointing"] * checkpointing
+                row = run_once(args, name + "-ac" * checkpointing, script, ranks, flags, impls[0], group_size,
+                               args.global_batch, tmp)
+                runs.setdefault((name, ranks, checkpointing), []).append(row)
+    best = {key: max(rows, key=lambda r: r["tokens_per_s"]) for key, rows in runs.items()}
+    print(f"\n{args.model}, block {args.block_size}, global batch {args.global_batch}, {args.device} {args.dtype}: "
+          "ours without and with --activation_checkpointing, best of each")
+    header = (f"{'strategy':10} {'ranks':>5} {'tok/s':>9} {'tok/s AC':>9} {'AC/not':>7} {'saved MB':>9} "
+              f"{'saved MB AC':>11} {'AC/not':>7} {'peak MB':>8} {'peak MB AC':>10}")
+    print(header + "\n" + "-" * len(header))
+    rows = []
+    for name in chosen:
+        ranks = table[name][1]
+        plain, recomputed = best[(name, ranks, False)], best[(name, ranks, True)]
+        print(f"{name:10} {ranks:5d} {plain['tokens_per_s']:9,.0f} {recomputed['tokens_per_s']:9,.0f} "
+              f"{recomputed['tokens_per_s'] / plain['tokens_per_s']:7.2f} {plain['activation_bytes'] / 2**20:9.2f} "
+              f"{recomputed['activation_bytes'] / 2**20:11.2f} "
+              f"{recomputed['activation_bytes'] / plain['activation_bytes']:7.3f} {plain['peak_mem_mb']:8,.0f} "
+              f"{recomputed['peak_mem_mb']:10,.0f}")
+        rows.append(dict(strategy=name, ranks=ranks, without=plain, activation_checkpointing=recomputed))
+    return rows
+
+
+FITS_PRESETS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-125m", "gpt3-350m", "gpt3-760m", "gpt3-1.3b",
+                "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b"]
+
+
+def what_fits(args):
+    """--what_fits: for each preset, the first layout on 8 and on 64 GPUs of --gpu_memory GB that the memory planner
+    (training.plan_memory) says fits one rank, without and with activation checkpointing, in the order DDP, FSDP,
+    then FSDP x tensor parallelism (with sequence parallelism) of degree 2, 4, 8: a markdown table. GPT-2's vocabulary,
+    its context (1024) for GPT-2, GPT-3's (2048) for GPT-3, --micro_batch sequences a rank, bfloat16 on CUDA."""
+    print(f"| model | parameters | context | {' | '.join(f'{n} GPUs{ac}' for n in (8, 64) for ac in ('', ', AC'))} |")
+    print("| --- | --- | --- |" + " --- |" * 4)
+    for preset in FITS_PRESETS:
+        config = gpt.make_config(preset, 50257, 2048 if preset.startswith("gpt3") else 1024)
+        with torch.device("meta"):
+            parameters = gpt.GPT(config).num_params()
+        cells = []
+        for gpus in (8, 64):
+            for checkpointing in (False, True):
+                cells.append("none")
+                for strategy, tp in [("ddp", 1), ("fsdp", 1), ("2d", 2), ("2d", 4), ("2d", 8)]:
+                    if config.n_head % tp:
+                        continue
+                    layout = training.Layout(strategy, gpus, gpus // tp, tp, args.micro_batch, "bfloat16",
+                                             sequence_parallel=tp > 1, activation_checkpointing=checkpointing)
+                    total = sum(size for _, size in training.plan_memory(config, layout))
+                    if total <= args.gpu_memory * 1e9:
+                        name = strategy if tp == 1 else f"fsdp {gpus // tp} x tp {tp}"
+                        cells[-1] = f"{name} ({total / 1e9:.1f} GB)"
+                        break
+        size = f"{parameters / 1e9:.1f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
+        print(f"| {preset} | {size} | {config.block_size} | {' | '.join(cells)} |")
 
 
 GPU_CHECK_TOLERANCE = 2e-2  # bf16 autocast against float32: measured ~1e-3 relative on the tiny model's losses
@@ -273,6 +401,12 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (and for the single baseline)")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--gpu_check", action="store_true", help="check this machine's GPU path and speed (see gpu_check)")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="what --activation_checkpointing costs and saves: each strategy (ours) without and with it")
+    p.add_argument("--what_fits", action="store_true",
+                   help="print the table of the smallest layout that fits each preset on 8 and 64 GPUs (no runs)")
+    p.add_argument("--gpu_memory", type=float, default=80, help="--what_fits: one GPU's memory, in GB (10^9 bytes)")
+    p.add_argument("--micro_batch", type=int, default=1, help="--what_fits: sequences per GPU per micro-step")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--profile_step", type=int, help=argparse.SUPPRESS)
     p.add_argument("--comms_out", help=argparse.SUPPRESS)
@@ -280,6 +414,8 @@ def main():
     if args.worker:
         return worker(args.worker, rest[1:] if rest[:1] == ["--"] else rest, args.profile_step, args.comms_out)
 
+    if args.what_fits:
+        return what_fits(args)
     if args.gpu_check:
         with tempfile.TemporaryDirectory() as tmp:
             result = gpu_check(args, tmp)
@@ -292,6 +428,13 @@ def main():
             return
     table = strategies(args)
     chosen = [s for s in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[s][0]))]
+    if args.checkpointing:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = checkpointing_cost(args, table, chosen, tmp)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):

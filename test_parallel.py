@@ -34,7 +34,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -2639,56 +2638,11 @@ ACTIVATION_TOLERANCE = 0.10  # the issue's bound; measured: float32 within 0.01%
 # bfloat16 within 0.5% (autocast's copies of biases, which the plan counts and addmm does not save)
 
 
-def _storage_bytes(tensors):
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
 def _memory_held(main, argv):
     """main(argv) on this rank; returns what it held: {parameters, gradients, optimizer, activations} in bytes."""
-    measured, saved, parameters = {}, {}, set()
-
-    def keep(tensor):  # a saved-tensor pack hook: count each storage once, the rank's parameters not at all
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    real_pack, real_wrap_blocks = train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks
-
-    def fsdp_pack(self, tensor):
-        packed = real_pack(self, tensor)
-        return keep(packed) if packed is tensor else packed
-
-    def wrap_blocks(model, *args):
-        model = real_wrap_blocks(model, *args)
-        parameters.update(p.untyped_storage().data_ptr() for p in model.parameters())
-        forward = model.forward
-
-        def counted(*inputs):
-            if not torch.is_grad_enabled() or "activations" in measured:  # evaluation; later micro-batches
-                return forward(*inputs)
-            with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-                output = forward(*inputs)
-            measured["activations"] = sum(saved.values())
-            return output
-        model.forward = counted
-        return model
-
-    def after_step(optimizer, args, kwargs):
-        if "parameters" not in measured:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            measured.update(parameters=_storage_bytes(params), gradients=_storage_bytes([p.grad for p in params]),
-                            optimizer=sum(t.nbytes for state in optimizer.state.values() for t in state.values()))
-
-    train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks = fsdp_pack, wrap_blocks
-    handle = register_optimizer_step_post_hook(after_step)
-    try:
-        with one_thread():
-            main(argv)
-    finally:
-        handle.remove()
-        train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks = real_pack, real_wrap_blocks
-    return measured
+    with bench.memory_held({}) as held, one_thread():
+        main(argv)
+    return held
 
 
 BF16_PLANNED = ["single", "fsdp", "2d-sequence-parallel"]  # bf16 is slow on CPU: the three kinds of autocast rules

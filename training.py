@@ -1,8 +1,8 @@
 """
 What every training script needs that is not the model: flags, device and threads, the process group and the
-ranks' fingerprint check, the batch sampler over token files, the LR schedule and optimizer groups, the initial
-values (drawn by name, or read from a Hugging Face checkpoint), the checkpoint format, metrics and logging, and the
-tokenizer that prints a sample. No strategy code lives here: a script copied into another project needs gpt.py and
+ranks' fingerprint check, the batch sampler over token files, the LR schedule and optimizer groups, compiled and
+checkpointed blocks, the initial values (drawn by name, or read from a Hugging Face checkpoint), the checkpoint
+format, the memory planner (--plan), metrics and logging, and the tokenizer that prints a sample. No strategy code lives here: a script copied into another project needs gpt.py and
 this file, nothing else.
 """
 
@@ -998,14 +998,24 @@ def layout_of(args, world_size, dp_size, micro_batch, device):
 TENSOR_PARALLEL_SLICED = re.compile(r"^wte\.weight$|\.(query|key|value|fc)\.(weight|bias)$|\.proj\.weight$")
 
 
+_parameters_on_meta = {}
+
+
+def parameters_on_meta(config):
+    """gpt.GPT(config)'s named parameters, built on meta once per config: a plan reads only their shapes."""
+    key = tuple(asdict(config).items())
+    if key not in _parameters_on_meta:
+        with torch.device("meta"):
+            _parameters_on_meta[key] = list(gpt.GPT(config).named_parameters())
+    return _parameters_on_meta[key]
+
+
 def parameter_plan(config, layout):
     """(elements of parameters this rank keeps, tensors its optimizer steps, elements of the largest gathered block
     unit and of the gathered root unit (FSDP), elements autocast copies to bfloat16 (the matmuls' weights and
     biases)): what the strategies build, counted on meta."""
-    with torch.device("meta"):
-        model = gpt.GPT(config)
     units, tensors, cast = {}, 0, 0  # units: FSDP's unit ("" the root, or a block) -> {is a matrix: elements}
-    for name, param in model.named_parameters():
+    for name, param in parameters_on_meta(config):
         local = param.numel() // (layout.tp if TENSOR_PARALLEL_SLICED.search(name) else 1)
         kinds = units.setdefault(".".join(name.split(".")[:2]) if name.startswith("blocks.") else "", {})
         kinds[param.dim() >= 2] = kinds.get(param.dim() >= 2, 0) + local
@@ -1076,7 +1086,8 @@ def plan_memory(config, layout):
     if fsdp:
         units = config.n_layer if not layout.reshard else 2  # the one computing and the one prefetched
         rows.append((f"gathered weights: the root and {units} block units ({layout.dtype})", e * (root + units * unit)))
-        rows.append(("a block unit's gradient in reduce-scatter (float32)", 4 * unit + (2 * unit if e == 2 else 0)))
+        rows.append(("a block unit's gradient being reduce-scattered (and its float32 copy)",
+                     4 * unit + (2 * unit if e == 2 else 0)))
     rows.append(("logits and their gradient", logits * (e + 4)))
     return rows
 
