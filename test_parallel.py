@@ -1372,6 +1372,33 @@ def test_bench_measures_what_ddp_sends(corpus, tmp_path):
         assert rows["ddp", impl]["tokens_per_s"] > 0
 
 
+@launches_its_own_ranks
+def test_bench_measures_what_checkpointing_saves(corpus, tmp_path):
+    """bench.py --checkpointing end to end (no timing asserted): for each strategy, the bytes the first micro-batch
+    saved for backward, measured in the run, without and with --activation_checkpointing, equal the plan's."""
+    result_path = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "bench.py", "--checkpointing", "--strategies", "single,fsdp", "--steps", "4",
+                    "--warmup", "1", "--rounds", "1", "--data", corpus, "--block_size", "32", "--json",
+                    str(result_path)], cwd=HERE, check=True, capture_output=True, timeout=300)
+    config = gpt.make_config("tiny", 256, 32)
+    for row, (dp, micro_batch) in zip(json.loads(result_path.read_text()), [(1, 16), (2, 8)]):
+        for checkpointing, run in ((False, row["without"]), (True, row["activation_checkpointing"])):
+            layout = training.Layout(row["strategy"], dp, dp, 1, micro_batch, activation_checkpointing=checkpointing)
+            planned = sum(size for item, size in training.plan_memory(config, layout)
+                          if item.startswith(("activations", "embeddings", "loss")))
+            assert run["activation_bytes"] == pytest.approx(planned, rel=1e-3) and run["tokens_per_s"] > 0
+
+
+def test_bench_what_fits_prints_the_planners_table(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--what_fits", "--micro_batch", "8"])
+    bench.main()
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| model | parameters | context | 8 GPUs | 8 GPUs, AC | 64 GPUs | 64 GPUs, AC |")
+    rows = {line.split(" | ")[0].strip("| "): line for line in table[2:]}
+    assert set(rows) == set(bench.FITS_PRESETS)
+    assert "| gpt2 | 124M | 1024 | ddp (" in rows["gpt2"] and rows["gpt3-175b"].count("none") == 3
+
+
 def test_bench_classifies_collectives_of_both_backends():
     """Profiler record names differ by backend (and by torch version); each maps to its kind, and a name the bench
     does not know fails loudly instead of being counted as some other collective's bytes."""

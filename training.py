@@ -1136,17 +1136,17 @@ def print_plan(args, world_size, dp_size):
         check_tensor_parallel(config, layout.tp, layout.sequence_parallel)
     rows = plan_memory(config, layout)
     total = sum(size for _, size in rows)
-    with torch.device("meta"):
-        num_params = gpt.GPT(config).num_params()
+    num_params = sum(param.numel() for _, param in parameters_on_meta(config))
     size = f"{num_params / 1e9:,.1f}B" if num_params >= 1e9 else f"{num_params / 1e6:,.1f}M"
-    print(f"plan: {preset} ({size} parameters, vocabulary {config.vocab_size:,}) | {layout.strategy}"
-          f" on {world_size} rank{'s' * (world_size > 1)} (dp {layout.dp} x tp {layout.tp}) | micro batch "
-          f"{layout.micro_batch} x {config.block_size} tokens | {layout.dtype}"
-          + " | activation checkpointing" * layout.activation_checkpointing
-          + " | sequence parallel" * layout.sequence_parallel)
+    say = print if launched_rank()[0] == 0 else lambda text: None  # under torchrun, once
+    say(f"plan: {preset} ({size} parameters, vocabulary {config.vocab_size:,}) | {layout.strategy}"
+        f" on {world_size} rank{'s' * (world_size > 1)} (dp {layout.dp} x tp {layout.tp}) | micro batch "
+        f"{layout.micro_batch} x {config.block_size} tokens | {layout.dtype}"
+        + " | activation checkpointing" * layout.activation_checkpointing
+        + " | sequence parallel" * layout.sequence_parallel)
     for item, size in rows + [("total, one rank", total)]:
-        print(f"  {item:66} {format_bytes(size):>11}")
-    print(plan_verdict(total, args.gpu_memory, layout, rows))
+        say(f"  {item:66} {format_bytes(size):>11}")
+    say(plan_verdict(total, args.gpu_memory, layout, rows))
     return rows
 
 
