@@ -13,7 +13,9 @@ interleaved (round 1: ours, torch, ...; round 2: ours, torch, ...) so that drift
 alike; a row reports the best round. Step time is the median over the steps after --warmup, excluding the one
 step that is profiled: that step's collectives are read from torch.profiler (the same record for our code, for
 DistributedDataParallel's C++ reducer and for DTensor's functional collectives) and turned into bytes sent per
-rank with the ring-algorithm factors, next to the formula each strategy should meet.
+rank with the ring-algorithm factors, next to the formula each strategy should meet: comm_formula() lists every
+collective of a step (what it moves, how many, the bytes), with the backend's own factors (gloo's reduce-scatter is an
+all-reduce). tp_sequence_parallel and tp_no_loss_parallel are train_tp.py's other two modes.
 On CPU, ranks get one thread each; so does the single-device baseline the scaling efficiency is measured against.
 """
 
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -136,6 +139,124 @@ def memory_held(measured):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# The formulas: every collective one optimizer step of each strategy runs, as the code runs it
+
+
+class Term(NamedTuple):
+    """One kind of collective in a step: what it moves, its kind and group, how many run a step, and the bytes one
+    rank sends through them a step."""
+    what: str
+    kind: str
+    group: str
+    count: int
+    bytes: float
+
+
+def sent(kind, payload, n, backend):
+    """wire_bytes of a collective as `backend` runs it: gloo implements reduce-scatter as an all-reduce of the whole
+    input (the profiler records gloo:all_reduce), which sends twice what NCCL's ring reduce-scatter does."""
+    return wire_bytes("all_reduce" if backend == "gloo" and kind == "reduce_scatter" else kind, payload, n)
+
+
+def parameter_counts(config, tp=1):
+    """{name: elements one tensor-parallel rank holds}: train_tp.py's sliced tensors (vocabulary rows of wte, column
+    slices of q, k, v, fc with their biases, row slices of the two projections) hold 1/tp; the rest is replicated."""
+    with torch.device("meta"):
+        named = list(gpt.GPT(config).named_parameters())
+    return {name: p.numel() // tp if training.TENSOR_PARALLEL_SLICED.search(name) else p.numel() for name, p in named}
+
+
+def fsdp_flats(counts):
+    """The elements of each FlatParameter of train_fsdp.py, per unit: the root (wte, wpe, ln_f) and each block, one
+    flat buffer of its matrices (weight decay) and one of its vectors."""
+    units = {}
+    for name, count in counts.items():
+        unit = re.match(r"blocks\.\d+", name)
+        kind = not (name.endswith("bias") or ".ln_" in name or name.startswith("ln_"))  # matrices: 2-D
+        flats = units.setdefault(unit.group() if unit else "root", {})
+        flats[kind] = flats.get(kind, 0) + count
+    return {unit: list(flats.values()) for unit, flats in units.items()}
+
+
+def ddp_buckets(config, bucket_mb):
+    """How many gradient buckets train_ddp.DataParallel makes: float32 gradients in reverse registration order, the
+    first bucket capped at FIRST_BUCKET_MB (1 MiB), the others at bucket_mb."""
+    buckets, size = 0, 0
+    for count in reversed(parameter_counts(config).values()):
+        cap = min(bucket_mb, 1) if buckets == 0 else bucket_mb
+        if size and size + 4 * count > cap * 2**20:
+            buckets, size = buckets + 1, 0
+        size += 4 * count
+    return buckets + (size > 0)
+
+
+def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float32", backend="gloo", tp=1, dp=1,
+                 sequence_parallel=False, loss_parallel=True, reshard=True, bucket_mb=25):
+    """[Term]: every collective one optimizer step of `strategy` (ddp, fsdp, tp, 2d) runs on one rank, with the bytes
+    that rank sends (ring algorithms, on `backend`), over `dp` data-parallel and `tp` tensor-parallel ranks. The
+    broadcast that makes DDP's replicas equal and the fingerprint check run once at start, not per step."""
+    micro_batch = micro_batch or global_batch // dp
+    steps = global_batch // (micro_batch * dp)  # micro-steps an optimizer step
+    compute = 2 if dtype == "bfloat16" else 4
+    terms = []
+    if strategy == "ddp":
+        gradient_bytes = 4 * sum(parameter_counts(config).values())
+        terms.append(Term("gradient buckets, during the last micro-step's backward", "all_reduce", "dp",
+                          ddp_buckets(config, bucket_mb), sent("all_reduce", gradient_bytes, dp, backend)))
+    if strategy in ("tp", "2d"):
+        L, tokens = config.n_layer, micro_batch * config.block_size
+        activation = tokens * config.n_embd  # elements of one [micro batch, sequence, hidden] activation
+        # Under bf16 autocast the projections' partial products are bf16; the embedding's output, the layer norms'
+        # outputs (whose gradients f reduces) and the loss stay float32.
+        if sequence_parallel:
+            for what, kind, count, size in [
+                    ("embedding output, forward (g)", "reduce_scatter", 1, 4),
+                    ("attention and MLP partial products, forward (g)", "reduce_scatter", 2 * L, compute),
+                    ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + 1, 4),
+                    ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + 1, 4),
+                    ("partial products' gradients, backward (g)", "all_gather", 2 * L, compute),
+                    ("embedding output's gradient, backward (g)", "all_gather", 1, 4)]:
+                payload = size * activation // (tp if kind == "all_gather" else 1)  # all-gathers send their shard
+                terms.append(Term(what, kind, "tp", steps * count, steps * count * sent(kind, payload, tp, backend)))
+        else:
+            for what, count, size in [("embedding output, forward (g)", 1, 4),
+                                      ("attention and MLP partial products, forward (g)", 2 * L, compute),
+                                      ("layer norm outputs' gradients, backward (f, f of the LM head)", 2 * L + 1, 4)]:
+                terms.append(Term(what, "all_reduce", "tp", steps * count,
+                                  steps * count * sent("all_reduce", size * activation, tp, backend)))
+        if loss_parallel:  # each token's max logit, then its sum of exponentials and target logit, in float32
+            terms.append(Term("vocab-parallel loss, per token", "all_reduce", "tp", 2 * steps,
+                              steps * sent("all_reduce", 3 * 4 * tokens, tp, backend)))
+        else:
+            logits = tokens * config.padded_vocab_size // tp
+            terms.append(Term("logits' vocabulary slices, forward", "all_gather", "tp", steps,
+                              steps * sent("all_gather", compute * logits, tp, backend)))
+        if sequence_parallel:  # one flat all-reduce of the replicated parameters' gradients (an FSDP shard of them)
+            replicated = sum(n for name, n in parameter_counts(config).items()
+                             if not training.TENSOR_PARALLEL_SLICED.search(name))
+            terms.append(Term("replicated parameters' gradients (norms, biases, wpe)", "all_reduce", "tp", 1,
+                              sent("all_reduce", 4 * replicated / dp, tp, backend)))
+    if strategy in ("fsdp", "2d"):
+        flats = fsdp_flats(parameter_counts(config, tp))
+        gathers, gathered, scatters, scattered = 0, 0, 0, 0
+        for unit, sizes in flats.items():
+            times = 1 if unit == "root" or not reshard else 2  # the root stays gathered from forward to backward
+            for size in sizes:
+                shard = -(-size // dp)
+                gathers, gathered = gathers + times, gathered + times * sent("all_gather", compute * shard, dp, backend)
+                scatters, scattered = scatters + 1, scattered + sent("reduce_scatter", 4 * shard * dp, dp, backend)
+        terms += [Term("each unit's weights, before its forward and again before its backward", "all_gather", "dp",
+                       steps * gathers, steps * gathered),
+                  Term("each unit's float32 gradient, as its backward ends", "reduce_scatter", "dp", steps * scatters,
+                       steps * scattered)]
+    if strategy in ("fsdp", "tp", "2d"):  # the gradient norm's sum of squares; train_2d.py reduces it over every rank
+        terms.append(Term("gradient norm", "all_reduce", "world", 1, sent("all_reduce", 4, tp * dp, backend)))
+    if strategy in ("ddp", "fsdp", "2d"):  # TP peers hold the whole batch's loss already
+        terms.append(Term("the logged loss", "all_reduce", "dp", 1, sent("all_reduce", 4, dp, backend)))
+    return terms
+
+
+# ------------------------------------------------------------------------------------------------------------
 # The worker: runs inside each torchrun rank, wraps the script's main() with a profiler over one step
 
 
@@ -177,25 +298,22 @@ def worker(script, argv, profile_step, out_path):
 
 
 def strategies(args):
-    """name -> (script, ranks, extra flags, impls, group size of its collectives, formula bytes per step)."""
+    """name -> (script, ranks, extra flags, impls, group size of its collectives, formula: [Term] of one step)."""
     meta = training.ensure_data(args.data, is_writer=True)
     config = gpt.make_config(args.model, meta["vocab_size"], args.block_size)
-    with torch.device("meta"):
-        n_params = gpt.GPT(config).num_params()
-    param_bytes = 4 * n_params  # float32 master weights and gradients
-    activations = args.global_batch * args.block_size * config.n_embd * (2 if args.dtype == "bfloat16" else 4)
-    ring = lambda n, factor: factor * (n - 1) / n
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    formula = lambda strategy, **layout: lambda: comm_formula(  # noqa: E731
+        strategy, config, args.global_batch, dtype=args.dtype, backend=backend, bucket_mb=args.bucket_mb, **layout)
     return {
-        "single": ("train_single.py", 1, [], [None], 1, lambda n: 0),
-        "ddp": ("train_ddp.py", 2, ["--bucket_mb", str(args.bucket_mb)], ["ours", "torch"], 2,
-                lambda n: ring(n, 2) * param_bytes),
-        "fsdp": ("train_fsdp.py", 2, [], ["ours", "torch"], 2,
-                 lambda n: ring(n, 3) * param_bytes),
-        # Per block: 2 all-reduces forward and 2 backward of the [batch, seq, d_model] activations.
-        "tp": ("train_tp.py", 2, ["--tp", "2"], ["ours", "torch"], 2,
-               lambda n: 4 * config.n_layer * ring(n, 2) * activations),
-        "2d": ("train_2d.py", 4, ["--tp", "2", "--dp", "2"], ["ours", "torch"], 2,
-               lambda n: ring(n, 3) * param_bytes / 2 + 4 * config.n_layer * ring(n, 2) * activations / 2),
+        "single": ("train_single.py", 1, [], [None], 1, lambda: []),
+        "ddp": ("train_ddp.py", 2, ["--bucket_mb", str(args.bucket_mb)], ["ours", "torch"], 2, formula("ddp", dp=2)),
+        "fsdp": ("train_fsdp.py", 2, [], ["ours", "torch"], 2, formula("fsdp", dp=2)),
+        "tp": ("train_tp.py", 2, ["--tp", "2"], ["ours", "torch"], 2, formula("tp", tp=2)),
+        "tp_sequence_parallel": ("train_tp.py", 2, ["--tp", "2", "--sequence_parallel"], ["ours", "torch"], 2,
+                                 formula("tp", tp=2, sequence_parallel=True)),
+        "tp_no_loss_parallel": ("train_tp.py", 2, ["--tp", "2", "--no_loss_parallel"], ["ours", "torch"], 2,
+                                formula("tp", tp=2, loss_parallel=False)),
+        "2d": ("train_2d.py", 4, ["--tp", "2", "--dp", "2"], ["ours", "torch"], 2, formula("2d", tp=2, dp=2)),
     }
 
 
@@ -451,13 +569,13 @@ def main():
     print(f"\n{args.model}, block {args.block_size}, global batch {args.global_batch}, {args.device} {args.dtype}, "
           f"{args.threads} thread(s) a rank, best of {args.rounds} rounds, "
           f"median of steps {args.warmup}..{args.steps - 3}")
-    header = f"{'strategy':12} {'impl':6} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} " \
+    header = f"{'strategy':20} {'impl':6} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} " \
              f"{'comm MB/step':>12} {'formula MB':>10} {'colls':>6}"
     print(header + "\n" + "-" * len(header))
     for (name, impl, ranks), row in best.items():
-        formula = table[name][5](table[name][4]) if name in table else 0
+        formula = sum(term.bytes for term in table[name][5]()) if name in table else 0
         mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-        print(f"{name:12} {impl or '-':6} {ranks:5d} {row['tokens_per_s']:9,.0f} {row['step_ms']:8.1f} "
+        print(f"{name:20} {impl or '-':6} {ranks:5d} {row['tokens_per_s']:9,.0f} {row['step_ms']:8.1f} "
               f"{row['peak_mem_mb']:8,.0f} {mfu:>6} {row['comm_bytes'] / 2**20:12.2f} {formula / 2**20:10.2f} "
               f"{row['collectives']:6d}")
     print()
@@ -470,11 +588,18 @@ def main():
         for impl in ("ours", "torch"):
             scaling = best[("ddp", impl, 2)]["tokens_per_s"] / (2 * best[("single/rank", None, 1)]["tokens_per_s"])
             print(f"ddp {impl}: scaling efficiency on 2 ranks vs 1 rank at the same per-rank batch {scaling:.3f}")
-    print("note: gloo runs reduce_scatter_tensor as an all-reduce of the whole input (its profiler trace shows "
-          "gloo:all_reduce), so FSDP's measured bytes on CPU exceed the ring formula; NCCL does not.")
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    print(f"\nthe formulas on {backend}, per rank per optimizer step (collectives, MB):")
+    for name in chosen:
+        for term in table[name][5]():
+            print(f"{name:20} {term.kind:14} {term.group:5} {term.count:4d} {term.bytes / 2**20:9.3f}  {term.what}")
+    if backend == "gloo":
+        print("note: gloo runs reduce_scatter_tensor as an all-reduce of the whole input (its profiler trace shows "
+              "gloo:all_reduce), sending twice what NCCL's ring reduce-scatter sends; the formulas count it so.")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([dict(strategy=k[0], impl=k[1], ranks=k[2], **v) for k, v in best.items()], f, indent=2)
+            json.dump([dict(strategy=k[0], impl=k[1], ranks=k[2], formula_bytes=sum(t.bytes for t in table[k[0]][5]())
+                            if k[0] in table else 0, **v) for k, v in best.items()], f, indent=2)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Every strategy is held to train_single.py: same data, same initial weights, same
 several optimizer steps, in float32 on CPU, within reduction-order noise (TOLERANCE below).
 """
 
+import argparse
 import contextlib
 import copy
 import gzip
@@ -1397,6 +1398,33 @@ def test_bench_what_fits_prints_the_planners_table(capsys, monkeypatch):
     rows = {line.split(" | ")[0].strip("| "): line for line in table[2:]}
     assert set(rows) == set(bench.FITS_PRESETS)
     assert "| gpt2 | 124M | 1024 | ddp (" in rows["gpt2"] and rows["gpt3-175b"].count("none") == 3
+
+
+COMM_LAYOUTS = {  # bench.py's name -> (script, ranks, flags, comm_formula's layout); accumulation 2 where it can be
+    "ddp": ("train_ddp.py", 2, ["--micro_batch", "2"], dict(dp=2, micro_batch=2)),
+    "fsdp": ("train_fsdp.py", 2, ["--micro_batch", "2"], dict(dp=2, micro_batch=2)),
+    "tp": ("train_tp.py", 2, ["--micro_batch", "4"], dict(tp=2, micro_batch=4)),
+    "tp_sequence_parallel": ("train_tp.py", 2, ["--micro_batch", "4", "--sequence_parallel"],
+                             dict(tp=2, micro_batch=4, sequence_parallel=True)),
+    "tp_no_loss_parallel": ("train_tp.py", 2, ["--no_loss_parallel"], dict(tp=2, loss_parallel=False)),
+    "2d": ("train_2d.py", 4, ["--tp", "2", "--dp", "2", "--micro_batch", "2"], dict(tp=2, dp=2, micro_batch=2)),
+}
+
+
+@launches_its_own_ranks
+@pytest.mark.parametrize("strategy", list(COMM_LAYOUTS))
+def test_bench_formula_counts_every_collective(strategy, corpus, tmp_path):
+    """What one step of our strategy sends, read from the profiler by bench.py, is its formula: the same number of
+    collectives, and the bytes within 1% (measured: equal to the byte, but for 2 bytes in train_2d.py's gradient
+    norm, which bench counts in groups of 2 but runs over all 4 ranks). The count catches a collective the formula
+    leaves out, however small (the logged loss's 4 bytes)."""
+    script, ranks, extra, layout = COMM_LAYOUTS[strategy]
+    args = argparse.Namespace(model="tiny", data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
+                              dtype="float32", compile=False, threads=1)
+    row = bench.run_once(args, strategy, script, ranks, extra, "ours", 2, 8, str(tmp_path))
+    terms = bench.comm_formula(strategy.split("_")[0], gpt.make_config("tiny", 256, 32), 8, backend="gloo", **layout)
+    assert row["collectives"] == sum(term.count for term in terms), terms
+    assert row["comm_bytes"] == pytest.approx(sum(term.bytes for term in terms), rel=0.01), terms
 
 
 def test_bench_classifies_collectives_of_both_backends():
