@@ -91,10 +91,14 @@ def memory_held(measured):
     import train_fsdp
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from torch.distributed.tensor import DTensor
+
     saved, parameters = {}, set()
+    # --impl torch's tensor parallelism: a DTensor has no storage of its own; its local tensor does.
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
 
     def keep(tensor):
-        storage = tensor.untyped_storage()
+        storage = local(tensor).untyped_storage()
         if storage.data_ptr() not in parameters:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
@@ -107,7 +111,7 @@ def memory_held(measured):
 
     def wrap_blocks(model, *args):  # every script calls it once, on the model its loop runs
         model = real_wrap_blocks(model, *args)
-        parameters.update(p.untyped_storage().data_ptr() for p in model.parameters())
+        parameters.update(local(p).untyped_storage().data_ptr() for p in model.parameters())
         forward = model.forward
 
         def counted(*inputs):
@@ -121,13 +125,15 @@ def memory_held(measured):
         return model
 
     def storage_bytes(tensors):
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+        return sum({local(t).untyped_storage().data_ptr(): local(t).untyped_storage().nbytes()
+                    for t in tensors}.values())
 
     def after_step(optimizer, args, kwargs):
         if "parameters" not in measured:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             measured.update(parameters=storage_bytes(params), gradients=storage_bytes([p.grad for p in params]),
-                            optimizer=sum(t.nbytes for state in optimizer.state.values() for t in state.values()))
+                            optimizer=sum(local(t).nbytes for state in optimizer.state.values()
+                                          for t in state.values()))
 
     train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks = fsdp_pack, wrap_blocks
     handle = register_optimizer_step_post_hook(after_step)
