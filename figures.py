@@ -1,0 +1,351 @@
+"""
+The README's figures, drawn from real runs. Needs matplotlib, an optional extra (pip install matplotlib).
+
+    python figures.py                                    # every figure into figures/ (tiny model, CPU)
+    python figures.py --steps 20 --block_size 32 --out_dir /tmp/figures          # a quick, small version
+
+losses.png      the training loss of single, DDP, FSDP, TP with sequence parallelism and 2-D over the same run
+                (the default run: 300 steps), overlaid, and each layout's |difference| from single, log scale
+comm_bytes.png  the bytes one rank sends per step through collectives: measured by bench.py (ours and PyTorch's),
+                against bench.comm_formula, stacked by the formula's collectives
+memory.png      memory per rank of GPT-2 124M on 8 GPUs by strategy, stacked by kind (training.plan_memory, the
+                planner that --plan prints and the tests hold to real runs)
+layout_*.png    who holds what: every rank's part of each tensor of a 1-layer model, as the scripts build it,
+                with the collectives of one step
+figures.json    the numbers behind them
+
+A file of its own rather than a mode of bench.py: bench.py times and measures, with no dependency beyond torch;
+these figures add matplotlib and the training runs' loss curves, and reuse bench.py's measurement and formulas.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import torch
+
+import bench
+import gpt
+import training
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LOSS_RUNS = [("single", "train_single.py", 1, []), ("DDP", "train_ddp.py", 2, []), ("FSDP", "train_fsdp.py", 2, []),
+             ("TP + sequence parallel", "train_tp.py", 2, ["--sequence_parallel"]),
+             ("2-D (tp 2 x dp 2)", "train_2d.py", 4, ["--tp", "2", "--dp", "2"])]
+COMM_STRATEGIES = ["ddp", "fsdp", "tp", "tp_sequence_parallel", "tp_no_loss_parallel", "2d"]
+COMM_IMPLS = ["ours", "torch"]
+# GPT-2 124M on 8 GPUs: its 12 heads do not divide by 8, so tensor parallelism runs 2 or 4 wide, times data parallel.
+MEMORY_LAYOUTS = [("DDP\n8", dict(strategy="ddp", dp=8, tp=1)), ("FSDP\n8", dict(strategy="fsdp", dp=8, tp=1)),
+                  ("2-D + SP\ntp 2 x dp 4", dict(strategy="2d", dp=4, tp=2, sequence_parallel=True)),
+                  ("2-D + SP\ntp 4 x dp 2", dict(strategy="2d", dp=2, tp=4, sequence_parallel=True))]
+COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#000000"]
+
+
+def loss_curves(args, tmp):
+    """{layout: [(step, loss)]} of the same run under every layout."""
+    flags = ["--data", args.data, "--block_size", str(args.block_size), "--max_steps", str(args.steps),
+             "--log_interval", "1", "--sample_tokens", "0", "--ckpt_interval", "0", "--device", "cpu"]
+    flags += ["--warmup_steps", str(min(30, args.steps))]
+    curves = {}
+    for name, script, ranks, extra in LOSS_RUNS:
+        print(f"training: {name} on {ranks} rank(s), {args.steps} steps", flush=True)
+        records = bench.launch(script, flags + extra, os.path.join(tmp, script + "".join(extra)), ranks)
+        if records is None:
+            raise SystemExit(f"{script} {' '.join(extra)} failed: see above")
+        curves[name] = [(r["step"], r["loss"]) for r in records]
+    return curves
+
+
+def comm_bytes(args, tmp):
+    """{strategy: {"ours", "torch": measured bytes, "terms": [[kind, what, bytes]]}} for one step of each."""
+    bench_args = argparse.Namespace(model="tiny", data=args.data, block_size=args.block_size, global_batch=16,
+                                    steps=args.comm_steps, warmup=0, device="cpu", dtype="float32", compile=False,
+                                    threads=1, bucket_mb=25)
+    table, result = bench.strategies(bench_args), {}
+    for name in COMM_STRATEGIES:
+        script, ranks, extra, impls, group_size, formula = table[name]
+        row = {"terms": [[t.kind, t.what, t.bytes] for t in formula()]}
+        for impl in [impl for impl in impls if impl in COMM_IMPLS]:
+            row[impl] = bench.run_once(bench_args, name, script, ranks, extra, impl, group_size, 16, tmp)["comm_bytes"]
+        result[name] = row
+    return result
+
+
+def draw_losses(plt, curves, path):
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    reference = dict(curves["single"])
+    for (name, curve), color in zip(curves.items(), COLORS):
+        steps, losses = zip(*curve)
+        top.plot(steps, losses, label=name, color=color, linewidth=1.2)
+        if name != "single":
+            # An exact 0 has no place on a log axis: drawn at 1e-9, below float32's resolution at these losses.
+            bottom.plot(steps, [max(abs(loss - reference[step]), 1e-9) for step, loss in curve], color=color,
+                        label=name, linewidth=1)
+    top.set_ylabel("training loss")
+    top.set_title("The same run under every layout (tiny model, float32, CPU)")
+    top.legend()
+    bottom.set_yscale("log")
+    bottom.set_ylabel("|loss - single's loss|")
+    bottom.set_xlabel("step")
+    bottom.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def draw_comm(plt, comm, block_size, path):
+    figure, axis = plt.subplots(figsize=(10, 5))
+    kinds = ["all_reduce", "all_gather", "reduce_scatter"]
+    for index, (name, row) in enumerate(comm.items()):
+        axis.bar(index - 0.27, row["ours"] / 2**20, 0.25, color="#4477aa", label="ours, measured" * (index == 0))
+        axis.bar(index, row.get("torch", 0) / 2**20, 0.25, color="#bbbbbb", label="PyTorch's, measured" * (index == 0))
+        bottom = 0
+        for kind, color in zip(kinds, ["#ee6677", "#228833", "#ccbb44"]):
+            height = sum(b for k, _, b in row["terms"] if k == kind) / 2**20
+            axis.bar(index + 0.27, height, 0.25, bottom=bottom, color=color,
+                     label=f"formula: {kind.replace('_', '-')}" * (index == 0))
+            bottom += height
+    axis.set_xticks(range(len(comm)), [name.replace("_", "\n") for name in comm], fontsize=8)
+    axis.set_ylabel("MiB sent per rank per step")
+    axis.set_title("Bytes through collectives: measured (profiler) against the formula (tiny, block "
+                   f"{block_size}, batch 16, float32, gloo)", fontsize=10)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def memory_rows(micro_batch=8):
+    """{label: [(item, bytes)]}: training.plan_memory of one rank for GPT-2 124M on 8 GPUs, bf16, block 1024."""
+    config = gpt.make_config("gpt2", 50257, 1024)
+    return {label: [(item, int(size)) for item, size in training.plan_memory(
+        config, training.Layout(world_size=8, micro_batch=micro_batch, dtype="bfloat16", **layout))]
+        for label, layout in MEMORY_LAYOUTS}
+
+
+def draw_memory(plt, rows, path):
+    figure, axis = plt.subplots(figsize=(11, 5))
+    items = list(dict.fromkeys(item for layout in rows.values() for item, _ in layout))
+    bottoms = [0.0] * len(rows)
+    for item, color in zip(items, COLORS * 3):
+        heights = [dict(layout).get(item, 0) / 1e9 for layout in rows.values()]
+        axis.bar(range(len(rows)), heights, 0.6, bottom=bottoms, color=color, label=item)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    axis.set_xticks(range(len(rows)), list(rows))
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    axis.set_ylabel("GB per rank (10^9 bytes)")
+    axis.set_title("One rank's plan: GPT-2 124M on 8 GPUs, block 1024, micro-batch 8, bf16 (training.plan_memory)",
+                   fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Who holds what: the parts every rank builds, read from the strategies' own code on a 4-rank gloo world
+
+
+LAYOUT_CONFIG = gpt.GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=4, n_embd=64)
+LAYOUTS = {"ddp": 2, "fsdp": 2, "tp": 2, "2d": 4}  # strategy -> ranks drawn
+
+
+def layout_worker(out_path):
+    """Under torchrun with 4 ranks: each strategy's Parts (name, full shape, box, flat range) on each rank that
+    runs it, built on meta exactly as the scripts build them (ranks 0 and 1 for the 2-rank strategies)."""
+    import torch.distributed as dist
+
+    import train_2d
+    import train_fsdp
+    import train_tp
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])
+    tp_group, dp_group = train_2d.new_groups(2, 2)
+    zeros = lambda name, param, flat: torch.zeros(flat[1] - flat[0])  # noqa: E731  (values do not matter here)
+    parts = {}
+    for strategy in LAYOUTS:
+        if LAYOUTS[strategy] <= rank:
+            continue
+        with torch.device("meta"):
+            model = gpt.GPT(LAYOUT_CONFIG)
+        if strategy == "ddp":
+            found = training.parameter_parts(model)
+        elif strategy == "fsdp":
+            found = train_fsdp.FullyShardedDataParallel(model, process_group=pair, initial_value=zeros).parts()
+        elif strategy == "tp":
+            train_tp.parallelize(model, pair, sequence_parallel=True)
+            found = training.parameter_parts(model)
+        else:
+            train_tp.parallelize(model, tp_group, sequence_parallel=True)
+            tp_parts = {part.name: part for part in training.parameter_parts(model)}
+            found = train_fsdp.FullyShardedDataParallel(model, process_group=dp_group, tp_parts=tp_parts,
+                                                        initial_value=zeros).parts()
+        parts[strategy] = [(p.name, p.shape, p.box, p.flat) for p in found]
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(parts, f)
+    dist.destroy_process_group()
+
+
+def layout_parts(tmp):
+    """{strategy: [parts of rank 0, of rank 1, ...]} from one torchrun of layout_worker."""
+    out = os.path.join(tmp, "layout.json")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+               os.path.abspath(__file__), "--layout_worker", out]
+    subprocess.run(command, cwd=HERE, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    ranks = []
+    for rank in range(4):
+        with open(f"{out}.{rank}") as f:
+            ranks.append(json.load(f))
+    return {strategy: [r[strategy] for r in ranks if strategy in r] for strategy in LAYOUTS}
+
+
+# Where each tensor sits in a rank's column, in units of 64 elements: (x, y) of its top left corner. Matrices are
+# drawn [out, in] as nn.Linear stores them; a vector as a thin column beside what it belongs to.
+TENSOR_PLACES = {"wte.weight": (0, 0), "wpe.weight": (1.5, 0), "ln_f.weight": (3, 0), "ln_f.bias": (3.25, 0),
+                 "blocks.0.ln_1.weight": (0, 5), "blocks.0.ln_1.bias": (0.25, 5),
+                 "blocks.0.attn.query.weight": (0.7, 5), "blocks.0.attn.query.bias": (1.75, 5),
+                 "blocks.0.attn.key.weight": (2.2, 5), "blocks.0.attn.key.bias": (3.25, 5),
+                 "blocks.0.attn.value.weight": (3.7, 5), "blocks.0.attn.value.bias": (4.75, 5),
+                 "blocks.0.attn.proj.weight": (5.2, 5), "blocks.0.attn.proj.bias": (6.25, 5),
+                 "blocks.0.ln_2.weight": (0, 6.6), "blocks.0.ln_2.bias": (0.25, 6.6),
+                 "blocks.0.mlp.fc.weight": (0.7, 6.6), "blocks.0.mlp.fc.bias": (1.75, 6.6),
+                 "blocks.0.mlp.proj.weight": (2.2, 6.6), "blocks.0.mlp.proj.bias": (6.25, 6.6)}
+LABELS = {"wte.weight": "wte", "wpe.weight": "wpe", "ln_f.weight": "ln_f", "blocks.0.ln_1.weight": "ln_1",
+          "blocks.0.attn.query.weight": "q", "blocks.0.attn.key.weight": "k", "blocks.0.attn.value.weight": "v",
+          "blocks.0.attn.proj.weight": "attn.proj", "blocks.0.ln_2.weight": "ln_2", "blocks.0.mlp.fc.weight": "fc",
+          "blocks.0.mlp.proj.weight": "mlp.proj"}
+COLUMN_WIDTH, UNIT = 7.3, 1 / 64
+
+
+def held_rectangles(shape, box, flat):
+    """(row, col, rows, cols) rectangles of the full 2-D tensor covered by elements [flat) of full[box], row-major."""
+    (r0, r1), (c0, c1) = box if len(box) == 2 else (box[0], (0, 1))
+    width, (a, b), rects = c1 - c0, flat, []
+    first_full, last_full = -(-a // width), b // width
+    if first_full > last_full:  # inside one row
+        return [(r0 + a // width, c0 + a % width, 1, b - a)]
+    if a % width:
+        rects.append((r0 + a // width, c0 + a % width, 1, width - a % width))
+    if last_full > first_full:
+        rects.append((r0 + first_full, c0, last_full - first_full, width))
+    if b % width:
+        rects.append((r0 + last_full, c0, 1, b % width))
+    return rects
+
+
+def draw_layout(plt, strategy, ranks, terms, path):
+    from matplotlib.patches import Rectangle
+
+    columns = len(ranks)
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in gpt.GPT(LAYOUT_CONFIG).named_parameters()}
+    figure, axis = plt.subplots(figsize=(max(9.0, 2.3 * columns + 0.6), 6.4))
+    for rank, parts in enumerate(ranks):
+        x0 = rank * COLUMN_WIDTH
+        for name, (x, y) in TENSOR_PLACES.items():
+            shape = shapes[name]
+            rows, cols = shape if len(shape) == 2 else (shape[0], 16)  # a vector: a thin column
+            axis.add_patch(Rectangle((x0 + x, -y), cols * UNIT, -rows * UNIT, fill=False, edgecolor="#999999",
+                                     linewidth=0.6))
+            if name in LABELS:
+                axis.text(x0 + x, -y + 0.08, LABELS[name], fontsize=6, va="bottom")
+        for name, shape, box, flat in parts:
+            if name not in TENSOR_PLACES:
+                continue
+            x, y = TENSOR_PLACES[name]
+            scale_x = UNIT if len(shape) == 2 else 16 * UNIT
+            for row, col, rows, cols in held_rectangles(shape, box, flat):
+                axis.add_patch(Rectangle((x0 + x + col * scale_x, -y - row * UNIT), cols * scale_x, -rows * UNIT,
+                                         color=COLORS[rank], alpha=0.8, linewidth=0))
+        title = f"rank {rank}" + (f"\ntp {rank % 2}, dp {rank // 2}" if strategy == "2d" else "")
+        axis.text(x0 + 3.3, 1.0, title, ha="center", fontsize=9, weight="bold")
+    # Collectives as arrows between the ranks of each group: tensor-parallel pairs below, data-parallel above.
+    groups = {"ddp": {"dp": [[0, 1]]}, "fsdp": {"dp": [[0, 1]]}, "tp": {"tp": [[0, 1]]},
+              "2d": {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]}}[strategy]
+    for kind, pairs in groups.items():
+        for index, (a, b) in enumerate(pairs):
+            y = -11.0 - 0.35 * index if kind == "tp" else 1.9 + 0.45 * index
+            axis.annotate("", (b * COLUMN_WIDTH + 3.3, y), (a * COLUMN_WIDTH + 3.3, y),
+                          arrowprops=dict(arrowstyle="<->", color="#444444" if kind == "tp" else "#aa3377"))
+            axis.text((a + b) / 2 * COLUMN_WIDTH + 3.3, y + 0.08, f"{kind} group", ha="center", fontsize=7,
+                      color="#444444" if kind == "tp" else "#aa3377")
+    lines = [f"{t.count:3d} x {t.kind.replace('_', '-'):14} ({t.group}) {t.what}" for t in terms]
+    axis.text(0, -11.9, "one step, per rank:\n" + "\n".join(lines), fontsize=6.5, va="top", family="monospace")
+    axis.set_title(textwrap.fill(LAYOUT_TITLES[strategy][0], 110), fontsize=9)
+    axis.set_xlim(-0.3, max(columns * COLUMN_WIDTH, 17))
+    axis.set_ylim(-12.4 - 0.3 * len(lines), 3.0)
+    axis.set_aspect("equal")
+    axis.axis("off")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+
+
+LAYOUT_TITLES = {  # strategy -> (title, comm_formula's layout)
+    "ddp": ("DDP: every rank holds every tensor whole", dict(dp=2)),
+    "fsdp": ("FSDP: each unit's flat buffer (root; block 0: matrices | vectors) cut in 2 contiguous shards",
+             dict(dp=2)),
+    "tp": ("TP: q, k, v, fc by output rows, the projections by input columns, wte by vocabulary rows; norms, wpe and "
+           "the projections' biases whole", dict(tp=2, sequence_parallel=True)),
+    "2d": ("2-D: TP over ranks (0, 1) and (2, 3), then FSDP of each slice over ranks (0, 2) and (1, 3)",
+           dict(tp=2, dp=2, sequence_parallel=True))}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=training.HelpFormatter)
+    p.add_argument("--out_dir", default=os.path.join(HERE, "figures"), help="where the PNGs and figures.json go")
+    p.add_argument("--data", default=training.DEFAULT_DATA_DIR, help="prepared data folder (default: the embedded "
+                   "corpus, built on first use)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of the loss curves' runs")
+    p.add_argument("--block_size", type=int, default=128, help="context length of every run")
+    p.add_argument("--comm_steps", type=int, default=3, help="steps of each run whose last step's bytes are read")
+    p.add_argument("--replot", action="store_true", help="redraw from --out_dir's figures.json, running nothing")
+    p.add_argument("--layout_worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.layout_worker:
+        return layout_worker(args.layout_worker)
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("figures.py needs matplotlib: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    training.ensure_data(args.data, is_writer=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    numbers = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        parts = layout_parts(tmp)
+        for strategy, ranks in parts.items():
+            terms = bench.comm_formula(strategy, LAYOUT_CONFIG, 8, **LAYOUT_TITLES[strategy][1])
+            draw_layout(plt, strategy, ranks, terms, os.path.join(args.out_dir, f"layout_{strategy}.png"))
+        if args.replot:  # the numbers of the last full run: only the drawing changes
+            with open(os.path.join(args.out_dir, "figures.json")) as f:
+                numbers = json.load(f)
+        else:
+            numbers["comm_bytes"], numbers["losses"] = comm_bytes(args, tmp), loss_curves(args, tmp)
+        draw_comm(plt, numbers["comm_bytes"], args.block_size, os.path.join(args.out_dir, "comm_bytes.png"))
+        draw_losses(plt, numbers["losses"], os.path.join(args.out_dir, "losses.png"))
+    numbers["memory"] = memory_rows()
+    draw_memory(plt, numbers["memory"], os.path.join(args.out_dir, "memory.png"))
+    reference = dict(numbers["losses"]["single"])
+    numbers["max_loss_difference"] = {name: max(abs(loss - reference[step]) for step, loss in curve)
+                                      for name, curve in numbers["losses"].items() if name != "single"}
+    with open(os.path.join(args.out_dir, "figures.json"), "w") as f:
+        json.dump(numbers, f, indent=1)
+    for name, row in numbers["comm_bytes"].items():
+        formula = sum(b for _, _, b in row["terms"])
+        print(f"{name:22} ours {row['ours'] / 2**20:7.3f} MiB, torch {row.get('torch', 0) / 2**20:7.3f} MiB, "
+              f"formula {formula / 2**20:7.3f} MiB")
+    for name, difference in numbers["max_loss_difference"].items():
+        print(f"{name:22} largest |loss - single's| over {args.steps} steps: {difference:.2e}")
+    print(f"wrote {', '.join(sorted(os.listdir(args.out_dir)))} into {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
