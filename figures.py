@@ -42,6 +42,7 @@ COMM_IMPLS = ["ours", "torch"]
 MEMORY_LAYOUTS = [("DDP\n8", dict(strategy="ddp", dp=8, tp=1)), ("FSDP\n8", dict(strategy="fsdp", dp=8, tp=1)),
                   ("2-D + SP\ntp 2 x dp 4", dict(strategy="2d", dp=4, tp=2, sequence_parallel=True)),
                   ("2-D + SP\ntp 4 x dp 2", dict(strategy="2d", dp=2, tp=4, sequence_parallel=True))]
+EQUAL = 1e-8  # where the loss-difference panel draws an exact 0
 COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#000000"]
 
 
@@ -82,16 +83,21 @@ def draw_losses(plt, curves, path):
         steps, losses = zip(*curve)
         top.plot(steps, losses, label=name, color=color, linewidth=1.2)
         if name != "single":
-            # An exact 0 has no place on a log axis: drawn at 1e-9, below float32's resolution at these losses.
-            bottom.plot(steps, [max(abs(loss - reference[step]), 1e-9) for step, loss in curve], color=color,
-                        label=name, linewidth=1)
+            # Bit-equal losses have no place on a log axis: they are drawn at EQUAL, below float32's spacing here.
+            bottom.scatter(steps, [max(abs(loss - reference[step]), EQUAL) for step, loss in curve], color=color,
+                           label=name, s=6)
     top.set_ylabel("training loss")
     top.set_title("The same run under every layout (tiny model, float32, CPU)")
     top.legend()
+    for spacing in (2**-22, 2**-21):  # float32's spacing between numbers in [2, 4) and [4, 8)
+        bottom.axhline(spacing, color="#999999", linewidth=0.6, linestyle="--")
+    bottom.text(0, 2**-21 * 1.3, "float32's spacing at losses of 2-4 and 4-8 (dashed)", fontsize=7)
+    bottom.text(0, EQUAL * 1.4, "bit-equal to single's loss", fontsize=7)
     bottom.set_yscale("log")
+    bottom.set_ylim(EQUAL / 2, 1e-5)
     bottom.set_ylabel("|loss - single's loss|")
     bottom.set_xlabel("step")
-    bottom.legend(fontsize=8)
+    bottom.legend(fontsize=8, loc="upper right")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -131,13 +137,14 @@ def draw_memory(plt, rows, path):
     figure, axis = plt.subplots(figsize=(11, 5))
     items = list(dict.fromkeys(item for layout in rows.values() for item, _ in layout))
     bottoms = [0.0] * len(rows)
-    for item, color in zip(items, COLORS * 3):
+    for item, color in zip(items, plt.get_cmap("tab20").colors):
         heights = [dict(layout).get(item, 0) / 1e9 for layout in rows.values()]
         axis.bar(range(len(rows)), heights, 0.6, bottom=bottoms, color=color, label=item)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     axis.set_xticks(range(len(rows)), list(rows))
     axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     axis.set_ylabel("GB per rank (10^9 bytes)")
+    axis.set_ylim(0, 1.08 * max(bottoms))
     axis.set_title("One rank's plan: GPT-2 124M on 8 GPUs, block 1024, micro-batch 8, bf16 (training.plan_memory)",
                    fontsize=9)
     figure.tight_layout()
