@@ -126,15 +126,17 @@ def draw_comm(plt, comm, block_size, path):
 
 
 def memory_rows(micro_batch=8):
-    """{label: [(item, bytes)]}: training.plan_memory of one rank for GPT-2 124M on 8 GPUs, bf16, block 1024."""
+    """{label: [(item, bytes)]}: training.plan_memory of one rank for GPT-2 124M on 8 GPUs, bf16, block 1024, each
+    layout without and with activation checkpointing (AC)."""
     config = gpt.make_config("gpt2", 50257, 1024)
-    return {label: [(item, int(size)) for item, size in training.plan_memory(
-        config, training.Layout(world_size=8, micro_batch=micro_batch, dtype="bfloat16", **layout))]
-        for label, layout in MEMORY_LAYOUTS}
+    return {label + "\n+ AC" * checkpointing: [(item, int(size)) for item, size in training.plan_memory(
+        config, training.Layout(world_size=8, micro_batch=micro_batch, dtype="bfloat16",
+                                activation_checkpointing=checkpointing, **layout))]
+        for label, layout in MEMORY_LAYOUTS for checkpointing in (False, True)}
 
 
 def draw_memory(plt, rows, path):
-    figure, axis = plt.subplots(figsize=(11, 5))
+    figure, axis = plt.subplots(figsize=(13, 5))
     items = list(dict.fromkeys(item for layout in rows.values() for item, _ in layout))
     bottoms = [0.0] * len(rows)
     for item, color in zip(items, plt.get_cmap("tab20").colors):
