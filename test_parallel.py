@@ -431,6 +431,7 @@ def test_every_advertised_configuration_passes_the_layout_checks():
         script = re.search(r"train_(\w+)\.py", command).group(1)
         nodes = option("--nnodes", "1")  # a number, or a scheduler's variable ($SLURM_JOB_NUM_NODES)
         ranks = int(option("--nproc_per_node", 1)) * (int(nodes) if nodes.isdigit() else 1)
+        ranks = int(option("--world_size", ranks)) if "--plan" in command else ranks  # planned, not launched
         model = option("--model", "tiny")
         config = gpt.make_config(model, 256 if model == "tiny" else 50257, int(option("--block_size", 128)))
         tp = {"tp": int(option("--tp", ranks)), "2d": int(option("--tp", 2))}.get(script, 1)
@@ -438,7 +439,7 @@ def test_every_advertised_configuration_passes_the_layout_checks():
         if script == "2d":
             assert tp * int(option("--dp", ranks // tp)) == ranks, command
     readme = open(os.path.join(HERE, "README.md")).read().replace("\n", " ")
-    for preset, script, options in re.findall(r"`(tiny|gpt2[\w-]*)`[^`]*?`train_(\w+)\.py([^`]*)`", readme):
+    for preset, script, options in re.findall(r"`(tiny|gpt[23][\w.-]*)`[^`]*?`train_(\w+)\.py([^`]*)`", readme):
         tp = int((re.findall(r"--tp[= ](\d+)", options) or [2 if script == "2d" else 1])[-1])  # prose: "X with `...`"
         training.check_tensor_parallel(gpt.make_config(preset, 50257, 1024), tp, False)
 
