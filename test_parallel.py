@@ -3100,6 +3100,22 @@ def test_quick_start_runs_in_the_readme_order(corpus, tmp_path):
     assert sorted(os.listdir(repo / "out")) == ["2d", "ddp", "fsdp", "single", "tp"]
 
 
+def test_the_quick_start_figures_are_of_the_default_run():
+    """The Quick start reports the time, losses and sample of `python train_single.py` and names the flags they
+    come from: each must be the parser's default, or the figures describe another run than the one a reader
+    starts (the run itself takes two minutes: too long for the suite)."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        text = f.read().split("\n## Quick start\n")[1].split("\n## ")[0].replace("\n", " ")
+    named = re.search(r"`python train_single.py` alone is `python train_single.py ([^`]*)`", text)
+    assert named, "the Quick start no longer names the flags of its figures"
+    argv = named.group(1).split()
+    parser = training.get_parser("")
+    stated, default = vars(parser.parse_args(argv)), vars(parser.parse_args([]))
+    flags_named = {word[2:] for word in argv if word.startswith("--")}
+    assert flags_named >= {"max_steps", "global_batch", "block_size", "lr", "min_lr", "warmup_steps"}, flags_named
+    assert {flag: stated[flag] for flag in flags_named} == {flag: default[flag] for flag in flags_named}
+
+
 @launches_its_own_ranks
 def test_pytest_under_torchrun_reports_once(tmp_path):
     """The README's `torchrun --nproc_per_node=N -m pytest test_parallel.py`: rank 0 alone shows progress and the

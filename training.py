@@ -145,7 +145,7 @@ def get_parser(description, strategy="single"):
 
 def add_sampling_flags(p):
     """The flags of a sample: after training (train_*.py) or from a checkpoint (sample.py)."""
-    p.add_argument("--sample_tokens", type=count, default=200, help="tokens generated; 0 skips the sample")
+    p.add_argument("--sample_tokens", type=count, default=500, help="tokens generated; 0 skips the sample")
     p.add_argument("--prompt", default="\n", help="the text the sample continues")
     p.add_argument("--temperature", type=positive, default=0.8, help="softmax temperature of the sample")
     p.add_argument("--top_k", type=count, default=40, help="sample from the k likeliest tokens; 0: from all")
