@@ -36,7 +36,8 @@ ROW_LINES = 64  # lines of --input text a row: one a row makes millions of rows,
 WRITE_BATCH_ROWS = 10_000  # rows of tokens per write
 SKIPPED_SHOWN = 5  # skipped files named in the message
 OFFLINE_OPTIONS = ("offline you can run `python prepare_data.py` (the embedded default corpus) "
-                   "or `python prepare_data.py --input PATH` on local text files")
+                   "or `python prepare_data.py --input PATH --tokenizer byte` on local text files (gpt2's BPE "
+                   "files are a download too)")
 
 
 def write_split(path, chunks):

@@ -755,7 +755,7 @@ def test_download_without_network_fails_at_once_naming_offline_options(tmp_path,
     monkeypatch.setattr(socket, "create_connection", unreachable)
     for dataset in ("shakespeare", "openwebtext", "fineweb-edu"):
         start = time.time()
-        with pytest.raises(training.UsageError, match="--input PATH"):
+        with pytest.raises(training.UsageError, match="--input PATH --tokenizer byte"):
             prepare_data.main(["--dataset", dataset, "--out_dir", str(tmp_path)])
         assert time.time() - start < 5
     assert not os.path.exists(tmp_path / "meta.json")
