@@ -50,7 +50,7 @@ def loss_curves(args, tmp):
     """{layout: [(step, loss)]} of the same run under every layout."""
     flags = ["--data", args.data, "--block_size", str(args.block_size), "--max_steps", str(args.steps),
              "--log_interval", "1", "--sample_tokens", "0", "--ckpt_interval", "0", "--device", "cpu"]
-    flags += ["--warmup_steps", str(min(30, args.steps))]
+    flags += ["--warmup_steps", str(min(30, args.steps)), "--lr", "1e-3", "--min_lr", "1e-4"]  # the figure's schedule
     curves = {}
     for name, script, ranks, extra in LOSS_RUNS:
         print(f"training: {name} on {ranks} rank(s), {args.steps} steps", flush=True)
