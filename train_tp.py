@@ -11,6 +11,7 @@ Reads top to bottom: arguments -> process groups -> model -> strategy -> loop ->
 import math
 import time
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -48,41 +49,24 @@ def _split(x, group, dim):
 
 
 class Conjugate(torch.autograd.Function):
-    """forward(x) in the forward pass, backward(grad) in the backward pass; None is the identity."""
+    """forward(x) in the forward pass, backward(grad) in the backward pass, both along dim; None is the identity."""
 
     @staticmethod
-    def forward(ctx, x, group, forward, backward, dim):
+    def forward(ctx, forward, backward, dim, x, group):
         ctx.group, ctx.backward, ctx.dim = group, backward, dim
         return forward(x, group, dim) if forward else x
 
     @staticmethod
     def backward(ctx, grad):
-        return (ctx.backward(grad, ctx.group, ctx.dim) if ctx.backward else grad), None, None, None, None
+        return None, None, None, (ctx.backward(grad, ctx.group, ctx.dim) if ctx.backward else grad), None
 
 
-def copy_to_tensor_parallel_region(x, group):
-    """Identity forward; all-reduce backward, summing the column slices' input gradients."""
-    return Conjugate.apply(x, group, None, _all_reduce, 1)
-
-
-def reduce_from_tensor_parallel_region(x, group):
-    """All-reduce forward, summing the row slices' partial products; identity backward."""
-    return Conjugate.apply(x, group, _all_reduce, None, 1)
-
-
-def gather_from_sequence_parallel_region(x, group):
-    """All-gather of the sequence shards forward; reduce-scatter of the gradient backward."""
-    return Conjugate.apply(x, group, _all_gather, _reduce_scatter, 1)
-
-
-def reduce_scatter_to_sequence_parallel_region(x, group):
-    """Reduce-scatter of the partial products into sequence shards forward; all-gather backward."""
-    return Conjugate.apply(x, group, _reduce_scatter, _all_gather, 1)
-
-
-def gather_from_tensor_parallel_region(x, group):
-    """All-gather of the vocabulary-split logits forward; each rank keeps its own slice of the gradient backward."""
-    return Conjugate.apply(x, group, _all_gather, _split, -1)
+# Megatron's names, each called as (x, group): the collective forward, its conjugate backward, the dim they split.
+copy_to_tensor_parallel_region = partial(Conjugate.apply, None, _all_reduce, 1)  # sums the slices' input gradients
+reduce_from_tensor_parallel_region = partial(Conjugate.apply, _all_reduce, None, 1)  # sums the partial products
+gather_from_sequence_parallel_region = partial(Conjugate.apply, _all_gather, _reduce_scatter, 1)
+reduce_scatter_to_sequence_parallel_region = partial(Conjugate.apply, _reduce_scatter, _all_gather, 1)
+gather_from_tensor_parallel_region = partial(Conjugate.apply, _all_gather, _split, -1)  # each rank keeps its slice
 
 
 def f(x, group, sequence_parallel):
