@@ -3198,3 +3198,41 @@ def test_broken_checkpoint_is_refused_on_every_rank(corpus, tmp_path, damage, me
     assert training.latest_checkpoint(str(tmp_path)) == checkpoint
     assert {name: open(os.path.join(checkpoint, name), "rb").read() for name in os.listdir(checkpoint)} == files
     assert open(tmp_path / "metrics.jsonl").read() == metrics  # not a single step was taken
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ---- #18 tensor-parallel memory
+
+
+def _vocab_parallel_gradient_in_place():
+    """One backward of VocabParallelCrossEntropy at vocabulary 300 padded to 384 (rank 1 holds 108 padding classes),
+    with a different upstream gradient for every token: (gradient error against F.cross_entropy on the gathered
+    logits, the largest gradient of a padding class, the shapes of [tokens, vocab / tp] tensors that backward
+    allocated, whether the gradient it returns is the saved softmax's memory)."""
+    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(3)
+    logits, weights = torch.randn(48, 384, generator=generator), torch.rand(48, generator=generator)
+    logits[:, 300:] += 10  # padding classes that would dominate if they took part
+    targets = torch.randint(0, 300, (48,), generator=generator)
+    full = logits.clone().requires_grad_()
+    (F.cross_entropy(full[:, :300], targets, reduction="none") * weights).sum().backward()
+    local = logits.chunk(world, -1)[rank].clone().requires_grad_()
+    saved, returned = [], []
+    local.register_hook(lambda grad: returned.append(grad.data_ptr()))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.data_ptr()) or t, lambda t: t):
+        loss = (train_tp.VocabParallelCrossEntropy.apply(local, targets, group, 300) * weights).sum()
+    with RecordOutputs() as mode:
+        loss.backward()
+    allocated = [tuple(t.shape) for _, t in mode.outputs if t.shape == local.shape and t.data_ptr() not in saved]
+    error = ((local.grad - full.grad.chunk(world, -1)[rank]).abs().max() / full.grad.abs().max()).item()
+    padding = local.grad[:, max(0, 300 - rank * 192):].abs().max().item() if rank else 0.0
+    return error, padding, allocated, returned[0] in saved
+
+
+def test_vocab_parallel_cross_entropy_gradient_is_computed_in_the_saved_softmax():
+    """The gradient equals F.cross_entropy's on the gathered logits over the real vocabulary (padding classes get
+    exactly 0), and backward computes it in place, in the softmax forward saved (as Megatron-LM does): no new
+    [tokens, vocab / tp] tensor, which at GPT-2's vocabulary is the largest activation of the step."""
+    for error, padding, allocated, in_place in run_distributed(2, _vocab_parallel_gradient_in_place):
+        assert error < 1e-6 and padding == 0, (error, padding)
+        assert allocated == [] and in_place, allocated

@@ -162,9 +162,11 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_targets, outside = ctx.saved_tensors
-        grad = softmax.scatter_add(-1, local_targets.unsqueeze(-1), -(~outside).to(softmax.dtype).unsqueeze(-1))
-        return grad * grad_loss.unsqueeze(-1), None, None, None  # autograd casts it back to the logits' dtype
+        # As Megatron-LM: the gradient overwrites the saved softmax, so backward allocates no [tokens, vocab / tp]
+        # tensor (a graph runs backward once; a second backward would raise, autograd sees the saved tensor changed)
+        grad, local_targets, outside = ctx.saved_tensors
+        grad.scatter_add_(-1, local_targets.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None  # autograd casts it back to the logits' dtype
 
 
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropout_seed=0):
