@@ -8,7 +8,6 @@ Megatron tensor parallelism by hand: every rank holds a slice of every matrix an
 Reads top to bottom: arguments -> process groups -> model -> strategy -> loop -> checkpoint.
 """
 
-import math
 import time
 from contextlib import nullcontext
 from functools import partial
@@ -22,8 +21,10 @@ import gpt
 import training
 
 # ------------------------------------------------------------------------------------------------------------
-# The four mappings of Megatron-LM's mappings.py: a collective forward and its conjugate backward. Activations
-# are [batch, sequence, hidden]: sequence parallelism splits dim 1, the vocabulary-parallel logits the last dim.
+# The four mappings of Megatron-LM's mappings.py: a collective forward and its conjugate backward. gpt.py's
+# activations are [batch, sequence, hidden]: sequence parallelism splits dim 1, the vocabulary-parallel logits the
+# last dim. Under sequence parallelism ours are stored sequence-first as in Megatron-LM ([sequence, batch, hidden],
+# seen through .transpose(0, 1)) and a collective runs on dim 0 of memory: a shard is a contiguous chunk, not copied.
 
 
 def _all_reduce(x, group, dim):
@@ -32,16 +33,17 @@ def _all_reduce(x, group, dim):
 
 
 def _all_gather(x, group, dim):
-    out = x.new_empty(dist.get_world_size(group) * x.numel())  # gloo gathers only into a flat buffer
-    training.all_gather_single(out, x.contiguous().view(-1), group=group)
-    return torch.cat(out.view(-1, *x.shape).unbind(), dim)
+    shard = x.movedim(dim, 0).contiguous()  # a view of a tensor stored dim-first; any other layout is copied
+    out = shard.new_empty(dist.get_world_size(group) * shard.numel())  # gloo gathers only into a flat buffer
+    training.all_gather_single(out, shard.view(-1), group=group)
+    return out.view(-1, *shard.shape[1:]).movedim(0, dim)
 
 
 def _reduce_scatter(x, group, dim):
-    chunks = torch.stack(x.chunk(dist.get_world_size(group), dim))  # contiguous, rank i's chunk i-th
-    out = x.new_empty(chunks.shape[1:])
-    training.reduce_scatter_single(out.view(-1), chunks.view(-1), group=group)
-    return out
+    whole = x.movedim(dim, 0).contiguous()  # rank i's part is its i-th chunk
+    out = whole.new_empty(whole.shape[0] // dist.get_world_size(group), *whole.shape[1:])
+    training.reduce_scatter_single(out.view(-1), whole.view(-1), group=group)
+    return out.movedim(0, dim)
 
 
 def _split(x, group, dim):
@@ -85,6 +87,13 @@ def g(x, group, sequence_parallel):
 # each local parameter holds: its (full shape, box), for init, checkpoints and the gradient norm.
 
 
+def _linear(x, weight, bias=None):
+    """On the [T, B, C] behind a sequence-first x: F.linear(x) would copy x batch-first (and keep it for backward)."""
+    if x.transpose(0, 1).is_contiguous():
+        return F.linear(x.transpose(0, 1), weight, bias).transpose(0, 1)
+    return F.linear(x, weight, bias)
+
+
 def _shard(tensor, group, dim):
     """An empty parameter for this rank's slice of tensor along dim (init_weights fills it), and its (shape, box)."""
     world, rank, n = dist.get_world_size(group), dist.get_rank(group), tensor.shape[dim]
@@ -105,7 +114,7 @@ class ColumnParallelLinear(nn.Module):
             setattr(self, name, shard)
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -117,7 +126,7 @@ class RowParallelLinear(nn.Module):
         self.weight, self.boxes["weight"] = _shard(linear.weight, group, 1)
 
     def forward(self, x):
-        y = g(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        y = g(_linear(x, self.weight), self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 
@@ -132,9 +141,10 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.stop = self.boxes["weight"][1][0]
 
     def forward(self, idx):
+        idx = idx.t() if self.sequence_parallel else idx  # looked up sequence-first (see the mappings)
         outside = (idx < self.start) | (idx >= self.stop)
         out = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
-        return g(out, self.group, self.sequence_parallel)
+        return g(out.transpose(0, 1) if self.sequence_parallel else out, self.group, self.sequence_parallel)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -146,7 +156,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits, vocab = logits.float(), logits.shape[-1]
         start = dist.get_rank(group) * vocab
         if start + vocab > vocab_size:  # this slice holds padding classes: no tokens, no probability, no gradient
-            logits = logits.masked_fill(torch.arange(vocab, device=logits.device) >= vocab_size - start, -math.inf)
+            logits = logits.masked_fill(torch.arange(vocab, device=logits.device) >= vocab_size - start, -float("inf"))
         logits_max = logits.max(dim=-1).values
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         logits = logits - logits_max.unsqueeze(-1)  # every exponent <= 0: no overflow at any logit size
@@ -162,8 +172,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # As Megatron-LM: the gradient overwrites the saved softmax, so backward allocates no [tokens, vocab / tp]
-        # tensor (a graph runs backward once; a second backward would raise, autograd sees the saved tensor changed)
+        # Megatron-LM's: in place in the saved softmax, no new [tokens, vocab / tp] (a second backward would raise)
         grad, local_targets, outside = ctx.saved_tensors
         grad.scatter_add_(-1, local_targets.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
         return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None  # autograd casts it back to the logits' dtype
@@ -177,7 +186,10 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
     model.lm_head.weight = model.wte.weight  # tied: column-parallel over the same vocabulary slice
     if sequence_parallel:  # the token embeddings come out as this rank's sequence shard: so must the positions
         model.wpe.register_forward_pre_hook(lambda module, args: (_split(args[0], group, 0),))
-    gather = lambda logits: gather_from_tensor_parallel_region(logits, group)  # noqa: E731
+        for norm in [model.ln_f] + [norm for block in model.blocks for norm in (block.ln_1, block.ln_2)]:
+            norm.register_forward_pre_hook(lambda module, args: (args[0].transpose(0, 1),))  # else it would copy
+            norm.register_forward_hook(lambda module, args, out: out.transpose(0, 1))  # it batch-first: on [T, B, C]
+    gather = lambda logits: gather_from_tensor_parallel_region(logits, group).contiguous()  # noqa: E731 [..., V]
     if loss_parallel:
         model.loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(
             logits, targets, group, model.config.vocab_size).mean()
@@ -199,6 +211,8 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
             dropout.register_forward_hook(rng.swap)
     for module in regions:  # f once where each tensor-parallel region starts: q, k and v share one
         module.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel),))
+    # batch-first logits, as the loss flattens them: under sequence parallelism a [B, T, C] copy, not [B, T, V / tp]
+    model.lm_head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(),))
     tp = dist.get_world_size(group)
     return training.sampling_hooks(model, tp if sequence_parallel else 1, gather if loss_parallel else nn.Identity())
 
