@@ -4,6 +4,7 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py                                  # every strategy whose script exists, tiny model, CPU
     python bench.py --strategies ddp,fsdp --steps 30 --rounds 3
     python bench.py --model gpt2 --block_size 1024 --global_batch 32 --device cuda --dtype bfloat16 --compile
+    python bench.py --strategies tp,2d --model gpt2-medium --vocab_size 50257 --sequence_parallel   # GPT-2's vocabulary
     python bench.py --gpu_check --device cuda --steps 20       # one command that checks a GPU machine
     python bench.py --checkpointing                  # what --activation_checkpointing costs and saves, per strategy
     python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (--plan's)
@@ -310,16 +311,19 @@ def strategies(args):
     backend = "nccl" if args.device == "cuda" else "gloo"
     formula = lambda strategy, **layout: lambda: comm_formula(  # noqa: E731
         strategy, config, args.global_batch, dtype=args.dtype, backend=backend, bucket_mb=args.bucket_mb, **layout)
+    sequence_parallel = ["--sequence_parallel"] * args.sequence_parallel  # --sequence_parallel: tp and 2d with it
     return {
         "single": ("train_single.py", 1, [], [None], 1, lambda: []),
         "ddp": ("train_ddp.py", 2, ["--bucket_mb", str(args.bucket_mb)], ["ours", "torch"], 2, formula("ddp", dp=2)),
         "fsdp": ("train_fsdp.py", 2, [], ["ours", "torch"], 2, formula("fsdp", dp=2)),
-        "tp": ("train_tp.py", 2, ["--tp", "2"], ["ours", "torch"], 2, formula("tp", tp=2)),
+        "tp": ("train_tp.py", 2, ["--tp", "2"] + sequence_parallel, ["ours", "torch"], 2,
+               formula("tp", tp=2, sequence_parallel=args.sequence_parallel)),
         "tp_sequence_parallel": ("train_tp.py", 2, ["--tp", "2", "--sequence_parallel"], ["ours", "torch"], 2,
                                  formula("tp", tp=2, sequence_parallel=True)),
         "tp_no_loss_parallel": ("train_tp.py", 2, ["--tp", "2", "--no_loss_parallel"], ["ours", "torch"], 2,
                                 formula("tp", tp=2, loss_parallel=False)),
-        "2d": ("train_2d.py", 4, ["--tp", "2", "--dp", "2"], ["ours", "torch"], 2, formula("2d", tp=2, dp=2)),
+        "2d": ("train_2d.py", 4, ["--tp", "2", "--dp", "2"] + sequence_parallel, ["ours", "torch"], 2,
+               formula("2d", tp=2, dp=2, sequence_parallel=args.sequence_parallel)),
     }
 
 
@@ -512,6 +516,9 @@ def main():
     p.add_argument("--model", default="tiny", choices=list(gpt.PRESETS), help="model size, from gpt.py's presets")
     p.add_argument("--data", default=training.DEFAULT_DATA_DIR,
                    help="prepared data folder (default: the embedded corpus, built on first use)")
+    p.add_argument("--vocab_size", type=int,
+                   help="train on synthetic tokens of this vocabulary (GPT-2's: 50257), made offline, not on --data")
+    p.add_argument("--sequence_parallel", action="store_true", help="tp and 2d with --sequence_parallel")
     p.add_argument("--block_size", type=int, default=128, help="context length, in tokens")
     p.add_argument("--global_batch", type=int, default=16, help="sequences per optimizer step")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps of each run")
@@ -550,17 +557,18 @@ def main():
             raise SystemExit("gpu check failed: see the table above")
         if not (args.device == "cuda" and torch.cuda.device_count() > 1):
             return
-    table = strategies(args)
-    chosen = [s for s in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[s][0]))]
-    if args.checkpointing:
-        with tempfile.TemporaryDirectory() as tmp:
-            rows = checkpointing_cost(args, table, chosen, tmp)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
-        return
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.vocab_size:
+            args.data = synthetic_data(os.path.join(tmp, f"vocab-{args.vocab_size}"), args.vocab_size)
+        table = strategies(args)
+        chosen = [s for s in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[s][0]))]
+        if args.checkpointing:
+            rows = checkpointing_cost(args, table, chosen, tmp)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=2)
+            return
         for _ in range(args.rounds):
             for name in chosen:
                 script, ranks, extra, impls, group_size, _formula = table[name]
@@ -572,7 +580,9 @@ def main():
                     runs.setdefault(("single/rank", None, 1), []).append(row)
     best = {key: max(rows, key=lambda r: r["tokens_per_s"]) for key, rows in runs.items()}
 
-    print(f"\n{args.model}, block {args.block_size}, global batch {args.global_batch}, {args.device} {args.dtype}, "
+    vocabulary = f"synthetic vocabulary {args.vocab_size}" if args.vocab_size else args.data
+    print(f"\n{args.model}, {vocabulary}, block {args.block_size}, global batch {args.global_batch}, "
+          f"{args.device} {args.dtype}{', sequence parallel' * args.sequence_parallel}, "
           f"{args.threads} thread(s) a rank, best of {args.rounds} rounds, "
           f"median of steps {args.warmup}..{args.steps - 3}")
     header = f"{'strategy':20} {'impl':6} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} " \

@@ -3236,3 +3236,20 @@ def test_vocab_parallel_cross_entropy_gradient_is_computed_in_the_saved_softmax(
     for error, padding, allocated, in_place in run_distributed(2, _vocab_parallel_gradient_in_place):
         assert error < 1e-6 and padding == 0, (error, padding)
         assert allocated == [] and in_place, allocated
+
+
+@launches_its_own_ranks
+def test_bench_runs_tensor_parallel_on_gpt2_vocabulary_offline(tmp_path):
+    """bench.py --vocab_size 50257 --sequence_parallel end to end (no timing asserted): synthetic tokens of GPT-2's
+    vocabulary made offline instead of --data, both implementations of tp run with sequence parallelism on them."""
+    result_path = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "bench.py", "--strategies", "tp", "--steps", "4", "--warmup", "1",
+                             "--rounds", "1", "--block_size", "32", "--global_batch", "2", "--vocab_size", "50257",
+                             "--sequence_parallel", "--data", str(tmp_path / "absent"), "--json", str(result_path)],
+                            cwd=HERE, check=True, capture_output=True, text=True, timeout=300)
+    assert "tiny, synthetic vocabulary 50257, block 32" in result.stdout and "sequence parallel" in result.stdout
+    rows = {(row["strategy"], row["impl"]): row for row in json.loads(result_path.read_text())}
+    assert rows.keys() == {("tp", "ours"), ("tp", "torch")} and all(row["tokens_per_s"] > 0 for row in rows.values())
+    folder = bench.synthetic_data(str(tmp_path / "tokens"), 50257, num_tokens=100_000)
+    tokens = np.fromfile(os.path.join(folder, "train.bin"), dtype=np.uint16)
+    assert training.load_meta(folder)["vocab_size"] == 50257 and tokens.max() > 50000 and tokens.max() < 50257
