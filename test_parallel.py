@@ -3253,3 +3253,22 @@ def test_bench_runs_tensor_parallel_on_gpt2_vocabulary_offline(tmp_path):
     folder = bench.synthetic_data(str(tmp_path / "tokens"), 50257, num_tokens=100_000)
     tokens = np.fromfile(os.path.join(folder, "train.bin"), dtype=np.uint16)
     assert training.load_meta(folder)["vocab_size"] == 50257 and tokens.max() > 50000 and tokens.max() < 50257
+
+
+def _residual_stream_copies(sequence_parallel):
+    config = gpt.make_config("tiny", vocab_size=256, block_size=16)
+    model = _tensor_parallel_model(config, 0, sequence_parallel)
+    idx = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    with RecordOutputs() as mode:
+        model(idx, idx).backward()
+    copies = ("clone", "copy", "cat", "stack", "contiguous")
+    return [op.__name__ for op, t in mode.outputs if t.numel() == 4 * 16 * 128 and op.__name__.startswith(copies)]
+
+
+def test_sequence_parallel_collectives_copy_nothing():
+    """Under sequence parallelism the all-gathers and reduce-scatters (4 per block, each way) move the sequence-first
+    residual stream as it lies: forward and backward copy a whole [B, T, C] twice only, the LM head's input (made
+    batch-first for the loss) and its gradient. Batch-first shards would need a copy on one side of every collective."""
+    for copies in run_distributed(2, _residual_stream_copies, True):
+        assert copies == ["clone.default"] * 2, copies
+    assert run_distributed(2, _residual_stream_copies, False) == [[], []]  # without it: no copy either
