@@ -189,7 +189,8 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
         for norm in [model.ln_f] + [norm for block in model.blocks for norm in (block.ln_1, block.ln_2)]:
             norm.register_forward_pre_hook(lambda module, args: (args[0].transpose(0, 1),))  # else it would copy
             norm.register_forward_hook(lambda module, args, out: out.transpose(0, 1))  # it batch-first: on [T, B, C]
-    gather = lambda logits: gather_from_tensor_parallel_region(logits, group).contiguous()  # noqa: E731 [..., V]
+    # The whole logits for --no_loss_parallel and sampling: gathered vocabulary-first (see the mappings), made [..., V]
+    gather = lambda logits: gather_from_tensor_parallel_region(logits, group).contiguous()  # noqa: E731
     if loss_parallel:
         model.loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(
             logits, targets, group, model.config.vocab_size).mean()
