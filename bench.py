@@ -355,7 +355,8 @@ def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, t
     with open(comms_path) as f:
         recorded = json.load(f)
     collectives = recorded["collectives"]
-    return {"activation_bytes": recorded["held"].get("activations"), "tokens_per_s": global_batch * args.block_size / (step_ms / 1000), "step_ms": step_ms,
+    return {"activation_bytes": recorded["held"].get("activations"),
+            "tokens_per_s": global_batch * args.block_size / (step_ms / 1000), "step_ms": step_ms,
             "peak_mem_mb": max(r["peak_mem_mb"] for r in records), "mfu": timed[-1]["mfu"],
             "comm_bytes": sum(wire_bytes(c["kind"], c["bytes"], group_size) for c in collectives),
             "collectives": len(collectives)}

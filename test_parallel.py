@@ -470,8 +470,8 @@ def _presets_on_meta():
 
 def test_every_preset_builds_at_every_tensor_parallel_degree():
     """On meta, in seconds: every preset at --tp 2, 4 and 8 where n_head allows it. GPT-2's head counts (4, 12, 16,
-    20, 25) leave --tp 8 to gpt2-medium alone among them and no degree of 2, 4, 8 to gpt2-xl (the README says so); the layout
-    check names the flag to change."""
+    20, 25) leave --tp 8 to gpt2-medium alone among them and no degree of 2, 4, 8 to gpt2-xl (the README says so); the
+    layout check names the flag to change. The GPT-3 presets' head counts allow every degree."""
     built = run_distributed(8, _presets_on_meta)[0]
     gpt3 = {preset for preset in gpt.PRESETS if preset.startswith("gpt3")}  # head counts chosen for --tp 8
     assert {tp: {preset for preset, degree in built if degree == tp} for tp in (2, 4, 8)} == {

@@ -241,8 +241,7 @@ def clip_grad_norm_(parts, max_norm, tp_group):
 def main(argv=None):
     parser = training.get_parser(__doc__, "tp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: DTensor parallelize_module")
-    parser.add_argument("--tp", type=training.positive_int,
-                        help="tensor-parallel size; here it must be the world size (default: the world size)")
+    parser.add_argument("--tp", type=training.positive_int, help="tensor-parallel size: the world size (default)")
     parser.add_argument("--sequence_parallel", action="store_true", help="layer norms and dropout on sequence shards")
     parser.add_argument("--no_loss_parallel", action="store_true", help="gather the whole logits before the loss")
     args = parser.parse_args(argv)

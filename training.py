@@ -2,8 +2,8 @@
 What every training script needs that is not the model: flags, device and threads, the process group and the
 ranks' fingerprint check, the batch sampler over token files, the LR schedule and optimizer groups, compiled and
 checkpointed blocks, the initial values (drawn by name, or read from a Hugging Face checkpoint), the checkpoint
-format, the memory planner (--plan), metrics and logging, and the tokenizer that prints a sample. No strategy code lives here: a script copied into another project needs gpt.py and
-this file, nothing else.
+format, the memory planner (--plan), metrics and logging, and the tokenizer that prints a sample. No strategy code
+lives here: a script copied into another project needs gpt.py and this file, nothing else.
 """
 
 import argparse
@@ -1055,7 +1055,7 @@ def activation_plan(config, layout):
     items = {
         "activations of the blocks": L * (residual if layout.activation_checkpointing else block),
         "embeddings and final layer norm": (b * s * 8 + s * 8 + (b * s if t > 1 else 0)  # ids, positions, TP's mask
-                                            + norm + b * s * h * e  # the final norm; the LM head's input, whole sequence
+                                            + norm + b * s * h * e  # the final norm, the LM head's whole input
                                             + (b * (s // shard) * h if config.dropout else 0)),
         "loss (softmax of the logits)": b * s * vocab * 4 + b * s * (9 if vocab_parallel else 8),
     }
