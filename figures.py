@@ -65,7 +65,7 @@ def comm_bytes(args, tmp):
     """{strategy: {"ours", "torch": measured bytes, "terms": [[kind, what, bytes]]}} for one step of each."""
     bench_args = argparse.Namespace(model="tiny", data=args.data, block_size=args.block_size, global_batch=16,
                                     steps=args.comm_steps, warmup=0, device="cpu", dtype="float32", compile=False,
-                                    threads=1, bucket_mb=25)
+                                    threads=1, bucket_mb=25, sequence_parallel=False)
     table, result = bench.strategies(bench_args), {}
     for name in COMM_STRATEGIES:
         script, ranks, extra, impls, group_size, formula = table[name]
