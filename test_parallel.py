@@ -427,7 +427,7 @@ def test_every_advertised_configuration_passes_the_layout_checks():
     commands = _advertised_commands()
     assert len(commands) >= 10
     for command in commands:
-        option = lambda flag, default: (re.findall(rf"{flag}[= ](\S+)", command) or [default])[-1]  # noqa: E731
+        option = lambda flag, default: (re.findall(rf"{flag}[= ]([^\s`]+)", command) or [default])[-1]  # noqa: E731
         script = re.search(r"train_(\w+)\.py", command).group(1)
         nodes = option("--nnodes", "1")  # a number, or a scheduler's variable ($SLURM_JOB_NUM_NODES)
         ranks = int(option("--nproc_per_node", 1)) * (int(nodes) if nodes.isdigit() else 1)
