@@ -36,6 +36,8 @@ from typing import NamedTuple
 import torch
 
 import gpt
+import plan
+import prepare_data
 import training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -170,7 +172,7 @@ def parameter_counts(config, tp=1):
     slices of q, k, v, fc with their biases, row slices of the two projections) hold 1/tp; the rest is replicated."""
     with torch.device("meta"):
         named = list(gpt.GPT(config).named_parameters())
-    return {name: p.numel() // tp if training.TENSOR_PARALLEL_SLICED.search(name) else p.numel() for name, p in named}
+    return {name: p.numel() // tp if plan.TENSOR_PARALLEL_SLICED.search(name) else p.numel() for name, p in named}
 
 
 def fsdp_flats(counts):
@@ -240,7 +242,7 @@ def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float3
                               steps * sent("all_gather", compute * logits, tp, backend)))
         if sequence_parallel:  # one flat all-reduce of the replicated parameters' gradients (an FSDP shard of them)
             replicated = sum(n for name, n in parameter_counts(config).items()
-                             if not training.TENSOR_PARALLEL_SLICED.search(name))
+                             if not plan.TENSOR_PARALLEL_SLICED.search(name))
             terms.append(Term("replicated parameters' gradients (norms, biases, wpe)", "all_reduce", "tp", 1,
                               sent("all_reduce", 4 * replicated / dp, tp, backend)))
     if strategy in ("fsdp", "2d"):
@@ -306,7 +308,7 @@ def worker(script, argv, profile_step, out_path):
 
 def strategies(args):
     """name -> (script, ranks, extra flags, impls, group size of its collectives, formula: [Term] of one step)."""
-    meta = training.ensure_data(args.data, is_writer=True)
+    meta = prepare_data.ensure_data(args.data, is_writer=True)
     config = gpt.make_config(args.model, meta["vocab_size"], args.block_size)
     backend = "nccl" if args.device == "cuda" else "gloo"
     formula = lambda strategy, **layout: lambda: comm_formula(  # noqa: E731
@@ -429,7 +431,7 @@ FITS_PRESETS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-125m", "gp
 
 def what_fits(args):
     """--what_fits: for each preset, the first layout on 8 and on 64 GPUs of --gpu_memory GB that the memory planner
-    (training.plan_memory) says fits one rank, without and with activation checkpointing, in the order DDP, FSDP,
+    (plan.plan_memory) says fits one rank, without and with activation checkpointing, in the order DDP, FSDP,
     then FSDP x tensor parallelism (with sequence parallelism) of degree 2, 4, 8: a markdown table. GPT-2's vocabulary,
     its context (1024) for GPT-2, GPT-3's (2048) for GPT-3, --micro_batch sequences a rank, bfloat16 on CUDA."""
     print(f"| model | parameters | context | {' | '.join(f'{n} GPUs{ac}' for n in (8, 64) for ac in ('', ', AC'))} |")
@@ -445,9 +447,9 @@ def what_fits(args):
                 for strategy, tp in [("ddp", 1), ("fsdp", 1), ("2d", 2), ("2d", 4), ("2d", 8)]:
                     if config.n_head % tp:
                         continue
-                    layout = training.Layout(strategy, gpus, gpus // tp, tp, args.micro_batch, "bfloat16",
+                    layout = plan.Layout(strategy, gpus, gpus // tp, tp, args.micro_batch, "bfloat16",
                                              sequence_parallel=tp > 1, activation_checkpointing=checkpointing)
-                    total = sum(size for _, size in training.plan_memory(config, layout))
+                    total = sum(size for _, size in plan.plan_memory(config, layout))
                     if total <= args.gpu_memory * 1e9:
                         name = strategy if tp == 1 else f"fsdp {gpus // tp} x tp {tp}"
                         cells[-1] = f"{name} ({total / 1e9:.1f} GB)"

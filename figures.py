@@ -8,7 +8,7 @@ losses.png      the training loss of single, DDP, FSDP, TP with sequence paralle
                 (the default run: 300 steps), overlaid, and each layout's |difference| from single, log scale
 comm_bytes.png  the bytes one rank sends per step through collectives: measured by bench.py (ours and PyTorch's),
                 against bench.comm_formula, stacked by the formula's collectives
-memory.png      memory per rank of GPT-2 124M on 8 GPUs by strategy, stacked by kind (training.plan_memory, the
+memory.png      memory per rank of GPT-2 124M on 8 GPUs by strategy, stacked by kind (plan.plan_memory, the
                 planner that --plan prints and the tests hold to real runs)
 layout_*.png    who holds what: every rank's part of each tensor of a 1-layer model, as the scripts build it,
                 with the collectives of one step
@@ -29,7 +29,10 @@ import textwrap
 import torch
 
 import bench
+import checkpoint
 import gpt
+import plan
+import prepare_data
 import training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -126,11 +129,11 @@ def draw_comm(plt, comm, block_size, path):
 
 
 def memory_rows(micro_batch=8):
-    """{label: [(item, bytes)]}: training.plan_memory of one rank for GPT-2 124M on 8 GPUs, bf16, block 1024, each
+    """{label: [(item, bytes)]}: plan.plan_memory of one rank for GPT-2 124M on 8 GPUs, bf16, block 1024, each
     layout without and with activation checkpointing (AC)."""
     config = gpt.make_config("gpt2", 50257, 1024)
-    return {label + "\n+ AC" * checkpointing: [(item, int(size)) for item, size in training.plan_memory(
-        config, training.Layout(world_size=8, micro_batch=micro_batch, dtype="bfloat16",
+    return {label + "\n+ AC" * checkpointing: [(item, int(size)) for item, size in plan.plan_memory(
+        config, plan.Layout(world_size=8, micro_batch=micro_batch, dtype="bfloat16",
                                 activation_checkpointing=checkpointing, **layout))]
         for label, layout in MEMORY_LAYOUTS for checkpointing in (False, True)}
 
@@ -147,7 +150,7 @@ def draw_memory(plt, rows, path):
     axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     axis.set_ylabel("GB per rank (10^9 bytes)")
     axis.set_ylim(0, 1.08 * max(bottoms))
-    axis.set_title("One rank's plan: GPT-2 124M on 8 GPUs, block 1024, micro-batch 8, bf16 (training.plan_memory)",
+    axis.set_title("One rank's plan: GPT-2 124M on 8 GPUs, block 1024, micro-batch 8, bf16 (plan.plan_memory)",
                    fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -183,17 +186,20 @@ def layout_worker(out_path):
         with torch.device("meta"):
             model = gpt.GPT(LAYOUT_CONFIG)
         if strategy == "ddp":
-            found = training.parameter_parts(model)
+            found = checkpoint.parameter_parts(model)
         elif strategy == "fsdp":
-            found = train_fsdp.FullyShardedDataParallel(model, process_group=pair, initial_value=zeros).parts()
+            wrapped = train_fsdp.FullyShardedDataParallel(model, process_group=pair, initial_value=zeros)
+            found = [checkpoint.Part(*where) for where in wrapped.parts()]
         elif strategy == "tp":
             train_tp.parallelize(model, pair, sequence_parallel=True)
-            found = training.parameter_parts(model)
+            found = checkpoint.parameter_parts(model)
         else:
             train_tp.parallelize(model, tp_group, sequence_parallel=True)
-            tp_parts = {part.name: part for part in training.parameter_parts(model)}
-            found = train_fsdp.FullyShardedDataParallel(model, process_group=dp_group, tp_parts=tp_parts,
-                                                        initial_value=zeros).parts()
+            tp_parts = {part.name: part for part in checkpoint.parameter_parts(model)}
+            boxes = {name: (part.shape, part.box) for name, part in tp_parts.items()}
+            wrapped = train_fsdp.FullyShardedDataParallel(model, process_group=dp_group, tp_boxes=boxes,
+                                                          initial_value=zeros)
+            found = [checkpoint.Part(*where) for where in wrapped.parts()]
         parts[strategy] = [(p.name, p.shape, p.box, p.flat) for p in found]
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(parts, f)
@@ -325,7 +331,7 @@ def main(argv=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    training.ensure_data(args.data, is_writer=True)
+    prepare_data.ensure_data(args.data, is_writer=True)
     os.makedirs(args.out_dir, exist_ok=True)
     numbers = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,8 @@
 The GPT-2 model, and only the model: config presets, the modules, weight init by parameter name, the FLOPs
 count, and sampling. Reads like nanoGPT's model.py. There is no torch.distributed code here: strategies are
 applied to the model from outside (train_ddp.py, train_fsdp.py, train_tp.py, train_2d.py) and it runs unchanged
-under them; what every training script needs that is not the model lives in training.py.
+under them; what every training script needs that is not the model lives in training.py, and GPT-2's pretrained
+weights are read by hugging_face.py.
 """
 
 import hashlib
@@ -184,72 +185,6 @@ def initial_value(name, shape, config, seed):
     return torch.randn(shape, generator=generator) * std
 
 
-# ------------------------------------------------------------------------------------------------------------
-# GPT-2's weights as Hugging Face stores them: GPT2LMHeadModel's config.json and model.safetensors. The names and
-# layouts of the two models meet here and nowhere else.
-
-# Hugging Face computes GPT-2's linear layers with Conv1D, which stores a weight as [in, out], the transpose of
-# nn.Linear's [out, in] (OpenAI's original TensorFlow layout), and packs q, k and v side by side along c_attn's output
-# dimension. gpt.py keeps q, k and v apart so that tensor parallelism splits each by rows (see CausalSelfAttention).
-# Our module -> (its Conv1D, which third of the packed output dimension is ours).
-HUGGING_FACE_LINEARS = {"attn.query": ("attn.c_attn", 0), "attn.key": ("attn.c_attn", 1),
-                        "attn.value": ("attn.c_attn", 2), "attn.proj": ("attn.c_proj", 0),
-                        "mlp.fc": ("mlp.c_fc", 0), "mlp.proj": ("mlp.c_proj", 0)}
-
-
-def config_from_hugging_face(hf, block_size, dropout):
-    """The GPTConfig of a Hugging Face GPT-2 config.json (a dict), with a context of block_size <= its n_positions (a
-    shorter one keeps the first positions' embeddings). Refuses a config this model would not compute as GPT-2 does."""
-    missing = [key for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size") if key not in hf]
-    if missing:
-        raise ValueError(f"config.json has no {', '.join(missing)}: it is not a GPT-2 config")
-    allowed = {"model_type": ("gpt2",), "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
-               "layer_norm_epsilon": (1e-5,), "n_inner": (None, 4 * hf["n_embd"]), "scale_attn_weights": (True,),
-               "scale_attn_by_inverse_layer_idx": (False,), "tie_word_embeddings": (True,)}
-    unlike = [f"{key} {hf[key]!r}" for key, values in allowed.items() if key in hf and hf[key] not in values]
-    if unlike:
-        raise ValueError(f"config.json has {', '.join(unlike)}: gpt.py computes GPT-2 only; use a GPT-2 checkpoint")
-    if block_size > hf["n_positions"]:
-        raise ValueError(f"--block_size {block_size} is longer than its n_positions {hf['n_positions']}: "
-                         f"pass --block_size {hf['n_positions']} or less")
-    config = GPTConfig(block_size=block_size, vocab_size=hf["vocab_size"], n_layer=hf["n_layer"], n_head=hf["n_head"],
-                       n_embd=hf["n_embd"], dropout=dropout)
-    if config.n_embd % config.n_head:
-        raise ValueError(f"config.json: n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
-    return config
-
-
-def hugging_face_box(name, box, config):
-    """Where the box of parameter `name` lies in a Hugging Face GPT-2 checkpoint: (the stored tensor's name, the box
-    of it that holds ours, whether ours is that box transposed). blocks.i is h.i; query, key and value are thirds of
-    c_attn's columns; wte stores the tokenizer's vocabulary only, so the box stops at vocab_size (our padding rows are
-    not stored); the LM head is tied to wte, as in GPT-2, and never read."""
-    if name == "wte.weight":
-        (start, stop), columns = box
-        return name, ((min(start, config.vocab_size), min(stop, config.vocab_size)), columns), False
-    if not name.startswith("blocks."):
-        return name, box, False  # wpe (its first block_size rows), ln_f
-    _, layer, rest = name.split(".", 2)
-    module, _, kind = rest.rpartition(".")
-    if module not in HUGGING_FACE_LINEARS:
-        return f"h.{layer}.{rest}", box, False  # ln_1, ln_2
-    stored, third = HUGGING_FACE_LINEARS[module]
-    (start, stop), *columns = box  # rows of ours are output features: columns of Conv1D's weight, entries of its bias
-    outputs = (start + third * config.n_embd, stop + third * config.n_embd)
-    return f"h.{layer}.{stored}.{kind}", (*columns, outputs), kind == "weight"
-
-
-def read_hugging_face(name, box, config, read):
-    """The box of parameter `name` from a Hugging Face GPT-2 checkpoint, reading nothing else: read(stored name, box)
-    gives stored[box] (training.HuggingFaceCheckpoint copies just that region out of the file). Padding rows of wte
-    are zeros: no token ever looks them up, and the loss and sampling leave their classes out."""
-    stored, stored_box, transposed = hugging_face_box(name, box, config)
-    value = read(stored, stored_box).float()
-    value = value.t() if transposed else value
-    missing = box[0][1] - box[0][0] - value.shape[0]
-    return F.pad(value, (0, 0, 0, missing)) if missing else value
-
-
 def set_attention(model, attn, device, dtype):
     """--attn sdpa|flash. flash-attn's kernels exist only for CUDA in half precision."""
     if attn == "flash":
@@ -281,7 +216,6 @@ def generate(model, idx, max_new_tokens, block_size, vocab_size, temperature=0.8
     finally:
         model.train(was_training)
     return idx
-
 
 
 def flops_per_token(config, num_params):

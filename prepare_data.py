@@ -11,33 +11,136 @@ The training scripts read the files through np.memmap, so a corpus larger than m
 meta.json is written last: its presence means the folder is complete.
 """
 
+import argparse
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import socket
 import sys
 import sysconfig
 import tempfile
+import time
 import urllib.request
 
 import numpy as np
 
-from training import ArgumentParser, ByteTokenizer, HelpFormatter, UsageError, checked, get_tokenizer, positive_int, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_DATA_DIR = os.path.join(HERE, "data", "default")  # the embedded corpus, built on first use
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 HF_DATASETS = {
     "openwebtext": dict(path="Skylion007/openwebtext"),
     "fineweb-edu": dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT"),
 }
-fraction = checked(float, lambda x: 0 < x < 1, "a number between 0 and 1")
 ROW_LINES = 64  # lines of --input text a row: one a row makes millions of rows, and datasets is slow per row
 WRITE_BATCH_ROWS = 10_000  # rows of tokens per write
 SKIPPED_SHOWN = 5  # skipped files named in the message
 OFFLINE_OPTIONS = ("offline you can run `python prepare_data.py` (the embedded default corpus) "
                    "or `python prepare_data.py --input PATH --tokenizer byte` on local text files (gpt2's BPE "
                    "files are a download too)")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What every command line of the project shares (training.py imports it from here: this file needs no torch)
+
+
+class UsageError(ValueError):
+    """A flag, an input or a layout a script cannot run with: printed as one line, without a traceback."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are UsageErrors: one line from one rank, instead of the usage on every rank."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's examples as written and adds each flag's default once, where it has one."""
+
+    def _get_help_string(self, action):
+        shown = action.default not in (None, argparse.SUPPRESS, False, "\n")  # False: a store_true flag
+        if shown and "default" not in action.help:
+            return action.help + " (default: %(default)s)"
+        return action.help
+
+
+def checked(kind, test, requirement):
+    """An argparse type: kind(text), refused with a message naming the requirement unless test(value)."""
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not test(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, not {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = checked(int, lambda n: n > 0, "a whole number > 0")
+count = checked(int, lambda n: n >= 0, "a whole number >= 0")
+positive = checked(float, lambda x: 0 < x < math.inf, "a number > 0")
+non_negative = checked(float, lambda x: 0 <= x < math.inf, "a number >= 0")  # NaN fails every comparison
+probability = checked(float, lambda x: 0 <= x < 1, "a probability in [0, 1)")
+fraction = checked(float, lambda x: 0 < x < 1, "a number between 0 and 1")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tokenizers: the one a corpus is prepared with is named in its meta.json, and a sample is decoded with it
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, needs no files, never fails on any text."""
+    name = "byte"
+    vocab_size = 256
+    eot = None
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class GPT2Tokenizer:
+    """GPT-2's BPE through tiktoken; vocabulary 50257, documents separated by <|endoftext|>."""
+    name = "gpt2"
+    vocab_size = 50257
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self.encoding = tiktoken.get_encoding("gpt2")
+        except Exception as error:
+            raise SystemExit(f"could not load tiktoken's gpt2 BPE files ({type(error).__name__}): they are downloaded "
+                             "on first use. Use --tokenizer byte, or set TIKTOKEN_CACHE_DIR to a folder that holds "
+                             "them; offline, `python prepare_data.py` (the embedded default corpus) and "
+                             "`python prepare_data.py --input PATH --tokenizer byte` need no download")
+        self.eot = self.encoding.eot_token
+
+    def encode(self, text):
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.encoding.decode([i for i in ids if i < self.vocab_size])
+
+
+def get_tokenizer(name):
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    raise ValueError(f"unknown tokenizer {name!r}: use gpt2 or byte")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Token files
 
 
 def write_split(path, chunks):
@@ -82,6 +185,30 @@ def prepare_default(out_dir):
     print(f"default corpus: {len(paths)} files from {root} -> {out_dir} "
           f"({meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens)")
     return meta
+
+
+def load_meta(data_dir):
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        raise UsageError(f"no prepared data in {data_dir!r} (meta.json missing): run "
+                         f"`python prepare_data.py --out_dir {data_dir}` or pass --data with a prepared folder")
+    with open(path) as f:
+        return json.load(f)
+
+
+def ensure_data(data_dir, is_writer, wait_s=600):
+    """Make sure data_dir holds prepared tokens. The default corpus is built on first use by one process per
+    machine (is_writer); the others wait for its meta.json, which is written last, so no collective is needed."""
+    if os.path.exists(os.path.join(data_dir, "meta.json")) or data_dir != DEFAULT_DATA_DIR:
+        return load_meta(data_dir)  # raises with a message naming the fix
+    if is_writer:
+        prepare_default(data_dir)
+    deadline = time.time() + wait_s
+    while not os.path.exists(os.path.join(data_dir, "meta.json")):
+        if time.time() > deadline:
+            raise TimeoutError(f"waited {wait_s}s for another process to prepare {data_dir!r}")
+        time.sleep(0.5)
+    return load_meta(data_dir)
 
 
 def check_network(host):
@@ -222,6 +349,15 @@ def main(argv=None):
         meta = prepare_hub(name, out_dir, tokenizer, args.num_proc, args.val_fraction)
     print(f"{name}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens ({tokenizer.name}) -> {out_dir}")
     return meta
+
+
+def run(main):
+    """The command line: a UsageError is one line, `error: <message>`, and exit code 2 (argparse's)."""
+    try:
+        main()
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ from contextlib import nullcontext
 
 import torch
 
+import checkpoint
 import gpt
+import prepare_data
 import training
 
 
@@ -26,12 +28,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     training.check_sampling_flags(args)
 
-    path = training.latest_checkpoint(args.out_dir)
+    path = checkpoint.latest(args.out_dir)
     if path is None:
         raise SystemExit(f"no checkpoint in {args.out_dir!r}: pass the --out_dir of a training run")
-    checkpoint = training.Checkpoint(path)
-    config = gpt.GPTConfig(**checkpoint.meta["config"])
-    meta = training.load_meta(args.data or checkpoint.meta["args"]["data"])
+    saved = checkpoint.Checkpoint(path)
+    config = gpt.GPTConfig(**saved.meta["config"])
+    meta = prepare_data.load_meta(args.data or saved.meta["args"]["data"])
     if meta["vocab_size"] != config.vocab_size:
         raise training.UsageError(f"the checkpoint's vocabulary is {config.vocab_size} tokens, --data's tokenizer "
                          f"{meta['tokenizer']} has {meta['vocab_size']}: pass the --data it was trained on")
@@ -43,7 +45,7 @@ def main(argv=None):
         model = gpt.GPT(config)
     model.to_empty(device=device)
     model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
-    training.load_checkpoint(checkpoint, training.parameter_parts(model), None, config)
+    checkpoint.load(saved, checkpoint.parameter_parts(model), None, config)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
     training.sample(model, meta, args, device, autocast, show=True)
 

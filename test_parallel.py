@@ -41,7 +41,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench  # noqa: E402
+import checkpoint  # noqa: E402
 import gpt  # noqa: E402
+import hugging_face  # noqa: E402
+import plan  # noqa: E402
 import train_2d  # noqa: E402
 import prepare_data  # noqa: E402
 import sample  # noqa: E402
@@ -242,8 +245,8 @@ def read_run(out_dir):
     """A finished run's metrics and final weights, read through the shared checkpoint format."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         records = {r["step"]: r for r in map(json.loads, f) if "loss" in r}  # a resumed step overwrites its first try
-    checkpoint = training.Checkpoint(training.latest_checkpoint(out_dir))
-    weights = {name: checkpoint.full(name).numpy() for name in checkpoint.pieces if "/" not in name}
+    found = checkpoint.Checkpoint(checkpoint.latest(out_dir))
+    weights = {name: found.full(name).numpy() for name in found.pieces if "/" not in name}
     steps = sorted(records)
     val_losses = {s: records[s]["val_loss"] for s in steps if "val_loss" in records[s]}
     return Run([records[s]["loss"] for s in steps], weights, [records[s]["grad_norm"] for s in steps],
@@ -460,7 +463,7 @@ def _presets_on_meta():
             with torch.device("meta"):
                 model = gpt.GPT(config)
             train_tp.parallelize(model, group, sequence_parallel=True)
-            parts = training.parameter_parts(model)
+            parts = checkpoint.parameter_parts(model)
             local = sum(part.tensor.numel() for part in parts if part.sliced)
             whole = sum(math.prod(part.shape) for part in parts if part.sliced)
             assert local * tp == whole, (preset, tp)
@@ -631,19 +634,19 @@ def test_checkpoint_pieces_assemble_any_layout(tmp_path):
     """Pieces cut as a tensor-parallel box, an FSDP flat range, or both, assemble into the full tensor."""
     full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
     column_halves = [((0, 6), (0, 4)), ((0, 6), (4, 8))]
-    pieces = [training.piece(full.shape, full[:, 0:4].flatten()[:10], column_halves[0], (0, 10)),
-              training.piece(full.shape, full[:, 0:4].flatten()[10:], column_halves[0], (10, 24)),
-              training.piece(full.shape, full[:, 4:8], column_halves[1])]
+    pieces = [checkpoint.piece(full.shape, full[:, 0:4].flatten()[:10], column_halves[0], (0, 10)),
+              checkpoint.piece(full.shape, full[:, 0:4].flatten()[10:], column_halves[0], (10, 24)),
+              checkpoint.piece(full.shape, full[:, 4:8], column_halves[1])]
     for rank, mine in enumerate([pieces[:1], pieces[1:]]):
-        training.save_shard(str(tmp_path), 3, rank, {"w": mine}, rng_state=None)
-    training.publish_checkpoint(str(tmp_path), 3, 2, {"config": {}})
-    checkpoint = training.Checkpoint(training.latest_checkpoint(str(tmp_path)))
-    assert torch.equal(checkpoint.full("w"), full)
+        checkpoint.save_shard(str(tmp_path), 3, rank, {"w": mine}, rng_state=None)
+    checkpoint.publish(str(tmp_path), 3, 2, {"config": {}})
+    found = checkpoint.Checkpoint(checkpoint.latest(str(tmp_path)))
+    assert torch.equal(found.full("w"), full)
 
 
 # What writes, moves or removes a file while a checkpoint is saved and published (open: the `latest` pointer).
 FILE_OPERATIONS = [(os, "makedirs"), (os, "replace"), (os, "rename"), (os, "fsync"), (shutil, "rmtree"),
-                   (torch, "save"), (training, "open")]
+                   (torch, "save"), (checkpoint, "open")]
 
 
 def test_checkpoint_publishing_survives_a_crash_between_any_two_file_operations(tmp_path, monkeypatch):
@@ -655,15 +658,15 @@ def test_checkpoint_publishing_survives_a_crash_between_any_two_file_operations(
 
     def save(out_dir, step):  # a checkpoint whose one tensor holds its step number; the one before it deleted
         args = training.get_parser("").parse_args(["--out_dir", str(out_dir), "--keep_checkpoints", "1"])
-        training.save_checkpoint(args, step, {"w": [training.piece((3,), torch.full((3,), float(step)))]}, config,
+        checkpoint.save(args, step, {"w": [checkpoint.piece((3,), torch.full((3,), float(step)))]}, config,
                                  torch.device("cpu"))
 
     def saved_step(out_dir):
-        checkpoint = training.Checkpoint(training.latest_checkpoint(str(out_dir)))  # raises if unreadable
-        checkpoint.check(config, {"w": (3,)})  # raises if a piece is missing
-        step = checkpoint.meta["step"]
-        assert torch.equal(checkpoint.full("w"), torch.full((3,), float(step)))
-        assert checkpoint.path.endswith(f"ckpt-{step:07d}")
+        found = checkpoint.Checkpoint(checkpoint.latest(str(out_dir)))  # raises if unreadable
+        found.check(config, {"w": (3,)})  # raises if a piece is missing
+        step = found.meta["step"]
+        assert torch.equal(found.full("w"), torch.full((3,), float(step)))
+        assert found.path.endswith(f"ckpt-{step:07d}")
         return step
 
     steps = []  # latest's step after each crash
@@ -672,7 +675,7 @@ def test_checkpoint_publishing_survives_a_crash_between_any_two_file_operations(
         save(out_dir, 2)
         operations = []
         with monkeypatch.context() as patches:
-            for module, name in FILE_OPERATIONS:  # training.open is the builtin, shadowed for training.py alone
+            for module, name in FILE_OPERATIONS:  # checkpoint.open is the builtin, shadowed for checkpoint.py alone
                 def operation(*args, real=getattr(module, name, None) or open, name=name, **kwargs):
                     operations.append(name)
                     if len(operations) == crash_at:
@@ -712,7 +715,7 @@ def test_prepare_data_local_text(tmp_path):
     val = np.fromfile(out / "val.bin", dtype=np.uint16)
     assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
     assert len(train) + len(val) == sum(len((line + "\n").encode()) for line in lines)
-    text = training.ByteTokenizer().decode(np.concatenate([train, val]).tolist())
+    text = prepare_data.ByteTokenizer().decode(np.concatenate([train, val]).tolist())
     assert sorted(text.splitlines()) == sorted(lines)  # every line once, whole, in one split or the other
     assert 0 < len(val) < len(train)
     assert json.loads((out / "meta.json").read_text()) == meta
@@ -762,7 +765,7 @@ def test_download_without_network_fails_at_once_naming_offline_options(tmp_path,
 
 
 def test_default_corpus(corpus):
-    meta = training.load_meta(corpus)
+    meta = prepare_data.load_meta(corpus)
     assert meta["tokenizer"] == "byte" and meta["train_tokens"] > 10_000_000 and meta["val_tokens"] > 100_000
     head = np.memmap(os.path.join(corpus, "train.bin"), dtype=np.uint16, mode="r")[:10_000]
     assert head.max() < 256 and "import" in bytes(head.astype(np.uint8)).decode("utf-8", "replace")
@@ -860,7 +863,7 @@ def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch):
     with pytest.raises(Crash):
         train_single.main(flags(corpus, interrupted, max_steps=8, ckpt_interval=3, dropout=DROPOUT))
     monkeypatch.setattr(training, "get_lr", real_get_lr)
-    assert training.latest_checkpoint(str(interrupted)).endswith("ckpt-0000003")
+    assert checkpoint.latest(str(interrupted)).endswith("ckpt-0000003")
     train_single.main(flags(corpus, interrupted, max_steps=8, ckpt_interval=3, dropout=DROPOUT, resume=True))
     assert_identical(read_run(str(interrupted)), read_run(str(straight)))  # bit-identical, not merely close
 
@@ -883,13 +886,13 @@ def test_checkpoint_killed_mid_write_leaves_the_previous_one(corpus, tmp_path, m
     with pytest.raises(Crash):
         train_single.main(flags(corpus, tmp_path, max_steps=6, ckpt_interval=2))
     monkeypatch.setattr(torch, "save", real_save)
-    latest = training.latest_checkpoint(str(tmp_path))
+    latest = checkpoint.latest(str(tmp_path))
     assert latest.endswith("ckpt-0000002")
-    training.Checkpoint(latest)  # loads whole
+    checkpoint.Checkpoint(latest)  # loads whole
     with pytest.raises(training.UsageError, match="pass --resume"):  # a new run never overwrites what is saved
         train_single.main(flags(corpus, tmp_path, max_steps=6, ckpt_interval=2))
     train_single.main(flags(corpus, tmp_path, max_steps=6, ckpt_interval=2, resume=True))
-    assert training.latest_checkpoint(str(tmp_path)).endswith("ckpt-0000006")
+    assert checkpoint.latest(str(tmp_path)).endswith("ckpt-0000006")
 
 
 def checkpoint_steps(out_dir):
@@ -924,16 +927,16 @@ def test_resume_says_what_changed_and_when_nothing_is_left(corpus, tmp_path, cap
 @one_thread()
 def test_checkpoint_of_another_model_is_refused(corpus, tmp_path):
     train_single.main(flags(corpus, tmp_path, max_steps=2))
-    before = open(os.path.join(training.latest_checkpoint(str(tmp_path)), "meta.pt"), "rb").read()
+    before = open(os.path.join(checkpoint.latest(str(tmp_path)), "meta.pt"), "rb").read()
     with pytest.raises(ValueError, match="another model"):
         train_single.main(flags(corpus, tmp_path, max_steps=4, block_size=64, resume=True))
-    assert open(os.path.join(training.latest_checkpoint(str(tmp_path)), "meta.pt"), "rb").read() == before
+    assert open(os.path.join(checkpoint.latest(str(tmp_path)), "meta.pt"), "rb").read() == before
 
 
 @one_thread()
 def test_truncated_checkpoint_is_refused(corpus, tmp_path):
     train_single.main(flags(corpus, tmp_path, max_steps=2))
-    rank_file = os.path.join(training.latest_checkpoint(str(tmp_path)), "rank00000.pt")
+    rank_file = os.path.join(checkpoint.latest(str(tmp_path)), "rank00000.pt")
     with open(rank_file, "r+b") as f:
         f.truncate(os.path.getsize(rank_file) // 2)
     with pytest.raises(RuntimeError, match="unreadable"):
@@ -1147,7 +1150,7 @@ def test_ddp_resumes_at_another_world_size(corpus, tmp_path_factory, shared_tmp)
     argv = flags(corpus, shared_tmp, ckpt_interval=3)
     assert run_distributed(2, _train_until, train_ddp.main, 3, argv) == ["crashed"] * 2
     run_distributed(4, train_ddp.main, argv + ["--resume"])
-    assert training.latest_checkpoint(str(shared_tmp)).endswith("ckpt-0000006")
+    assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000006")
     assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory))
 
 
@@ -1385,8 +1388,8 @@ def test_bench_measures_what_checkpointing_saves(corpus, tmp_path):
     config = gpt.make_config("tiny", 256, 32)
     for row, (dp, micro_batch) in zip(json.loads(result_path.read_text()), [(1, 16), (2, 8)]):
         for checkpointing, run in ((False, row["without"]), (True, row["activation_checkpointing"])):
-            layout = training.Layout(row["strategy"], dp, dp, 1, micro_batch, activation_checkpointing=checkpointing)
-            planned = sum(size for item, size in training.plan_memory(config, layout)
+            layout = plan.Layout(row["strategy"], dp, dp, 1, micro_batch, activation_checkpointing=checkpointing)
+            planned = sum(size for item, size in plan.plan_memory(config, layout)
                           if item.startswith(("activations", "embeddings", "loss")))
             assert run["activation_bytes"] == pytest.approx(planned, rel=1e-3) and run["tokens_per_s"] > 0
 
@@ -1488,7 +1491,7 @@ def _train_counting_gathers(main, argv):
     """main(argv) on this rank; returns, for each batch it draws, (split, the all-gathers it issued from that batch
     until the next): the forward and backward of a training micro-step, or a validation forward."""
     batches = []
-    real_gather, real_get = training.all_gather_single, training.BatchSampler.get
+    real_gather, real_get = train_fsdp.all_gather_single, training.BatchSampler.get
 
     def gather(*args, **kwargs):
         batches[-1][1] += 1
@@ -1498,11 +1501,11 @@ def _train_counting_gathers(main, argv):
         batches.append([("train", "val")[sampler.split], 0])
         return real_get(sampler, step, micro_step)
 
-    training.all_gather_single, training.BatchSampler.get = gather, get
+    train_fsdp.all_gather_single, training.BatchSampler.get = gather, get
     try:
         main(argv)
     finally:
-        training.all_gather_single, training.BatchSampler.get = real_gather, real_get
+        train_fsdp.all_gather_single, training.BatchSampler.get = real_gather, real_get
     return [tuple(batch) for batch in batches]
 
 
@@ -1567,7 +1570,7 @@ def named_full_parameters(fsdp):
     time; every rank must iterate."""
     for flat in fsdp.flats:
         full = torch.empty(flat.shard_size * flat.world, device=flat.shard.device)
-        training.all_gather_single(full, flat.shard.detach(), group=fsdp.group)
+        train_fsdp.all_gather_single(full, flat.shard.detach(), group=fsdp.group)
         for name, shape, piece in zip(flat.names, flat.shapes, full.split(flat.sizes + [flat.padding])):
             yield name, piece.view(shape)
 
@@ -1678,7 +1681,7 @@ def _samples_on_every_rank(script):
     if script == "2d":
         tp_group, dp_group = train_2d.new_groups(2, 2)
         train_tp.parallelize(model, tp_group, dropout_seed=10 + dist.get_rank())
-        tp_parts = {part.name: part for part in training.parameter_parts(model)}
+        tp_parts = {part.name: part for part in checkpoint.parameter_parts(model)}
 
         def initial_value(name, param, flat):  # this rank's FSDP shard of its tensor-parallel slice
             return value(name, tp_parts[name].shape, tp_parts[name].box, flat)
@@ -1686,7 +1689,7 @@ def _samples_on_every_rank(script):
         dp_group, tp_parts = None, None
         initial_value = lambda name, param, flat: value(name, param.shape, flat=flat)  # noqa: E731
     wrapped = train_fsdp.FullyShardedDataParallel(model, process_group=dp_group, initial_value=initial_value,
-                                                 tp_parts=tp_parts)
+                                                 tp_boxes=tp_parts and {name: (part.shape, part.box) for name, part in tp_parts.items()})
     tokens = gpt.generate(wrapped, torch.tensor([[10, 20, 30]]), 12, 16, 256, seed=1)
     return tokens.numpy(), wrapped.training
 
@@ -1735,7 +1738,7 @@ def _prefetch_order(compile):
         training.wrap_blocks(model, compile=True)
     events = []
     unit_of = {flat.shard.data_ptr(): index for index, unit in enumerate(fsdp.units) for flat in unit}
-    real_gather, real_reduce_scatter = training.all_gather_single, fsdp.reduce_scatter
+    real_gather, real_reduce_scatter = train_fsdp.all_gather_single, fsdp.reduce_scatter
 
     def gather(output, input, **kwargs):
         events.append(("gather", unit_of[input.data_ptr()]))
@@ -1745,7 +1748,7 @@ def _prefetch_order(compile):
         events.append(("reduce_scatter", unit_of[flat.shard.data_ptr()]))
         return real_reduce_scatter(flat, grad)
 
-    training.all_gather_single, fsdp.reduce_scatter = gather, reduce_scatter
+    train_fsdp.all_gather_single, fsdp.reduce_scatter = gather, reduce_scatter
     for index, block in enumerate(model.blocks, start=1):  # unit 0 is the root
         block.register_forward_pre_hook(lambda *_, i=index: events.append(("start", i)), prepend=True)
         block.register_forward_hook(lambda *_, i=index: events.append(("end", i)), prepend=True)
@@ -1755,7 +1758,7 @@ def _prefetch_order(compile):
         events.clear()
         fsdp(x, x).backward()
     finally:
-        training.all_gather_single = real_gather  # a launched world runs the next tests in this process
+        train_fsdp.all_gather_single = real_gather  # a launched world runs the next tests in this process
     return events, len(fsdp.units)
 
 
@@ -1853,8 +1856,8 @@ def _tensor_parallel_model(config, seed, sequence_parallel=False, loss_parallel=
     model.to_empty(device="cpu")
     model.lm_head.weight = model.wte.weight
     value = training.initial_values(config, seed, init_from)
-    for part in training.parameter_parts(model):
-        part.local().copy_(part.initial_value(value))
+    for part in checkpoint.parameter_parts(model):
+        part.local().copy_(value(part.name, part.shape, part.box, part.flat))
     return model
 
 
@@ -1870,7 +1873,7 @@ def _gradient_errors(sequence_parallel, loss_parallel):
     model = _tensor_parallel_model(config, 5, sequence_parallel, loss_parallel)
     loss = model(idx, targets)
     loss.backward()
-    parts = training.parameter_parts(model)
+    parts = checkpoint.parameter_parts(model)
     if sequence_parallel:
         train_tp.allreduce_replicated_grads(parts, dist.group.WORLD)
     errors = {"loss": abs(loss.item() - reference(idx, targets).item()) / loss.item()}
@@ -1949,7 +1952,7 @@ def _padded_vocabulary_errors(sequence_parallel, loss_parallel):
     model = _tensor_parallel_model(config, 5, sequence_parallel, loss_parallel)
     loss = model(idx, idx)
     loss.backward()
-    wte = next(part for part in training.parameter_parts(model) if part.name == "wte.weight")
+    wte = next(part for part in checkpoint.parameter_parts(model) if part.name == "wte.weight")
     expected_grad = reference.wte.weight.grad[tuple(slice(*box) for box in wte.box)]
     return abs(loss.item() - expected.item()) / expected.item(), ((wte.tensor.grad - expected_grad).abs().max()
                                                                   / reference.wte.weight.grad.abs().max()).item()
@@ -2090,7 +2093,7 @@ def _replicated_after_training(argv):
         train_tp.main(argv)
     finally:
         train_tp.parallelize = parallelize  # a launched world runs the next tests in this process
-    return {part.name: part.tensor.detach().numpy() for part in training.parameter_parts(models[0]) if not part.sliced}
+    return {part.name: part.tensor.detach().numpy() for part in checkpoint.parameter_parts(models[0]) if not part.sliced}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -2308,11 +2311,11 @@ def test_sample_continues_a_prompt_from_any_layout_checkpoint(saved, capsys):
     for layout, out_dir in saved.items():
         sample.main(["--out_dir", str(out_dir), "--prompt", "def ", "--sample_tokens", "40", "--device", "cpu"])
         texts[layout] = capsys.readouterr().out
-    checkpoint = training.Checkpoint(training.latest_checkpoint(str(saved["single"])))
-    model = gpt.GPT(gpt.GPTConfig(**checkpoint.meta["config"]))
-    model.init_weights(0, lambda name, shape: checkpoint.full(name))
+    found = checkpoint.Checkpoint(checkpoint.latest(str(saved["single"])))
+    model = gpt.GPT(gpt.GPTConfig(**found.meta["config"]))
+    model.init_weights(0, lambda name, shape: found.full(name))
     tokens = gpt.generate(model, torch.tensor([list(b"def ")]), 40, 32, 256, temperature=0.8, top_k=40, seed=1337)
-    expected = "sample:\n" + training.ByteTokenizer().decode(tokens[0].tolist()) + "\n"
+    expected = "sample:\n" + prepare_data.ByteTokenizer().decode(tokens[0].tolist()) + "\n"
     assert texts == {layout: expected for layout in saved}
     with pytest.raises(SystemExit, match="no checkpoint in"):
         sample.main(["--out_dir", str(saved["single"]) + "-missing"])
@@ -2425,9 +2428,9 @@ def _fully_sharded_tensor_parallel_model(config, value):
     with torch.device("meta"):
         model = gpt.GPT(config)
     train_tp.parallelize(model, tp_group)
-    tp_parts = {part.name: part for part in training.parameter_parts(model)}
+    tp_parts = {part.name: part for part in checkpoint.parameter_parts(model)}
     return train_fsdp.FullyShardedDataParallel(
-        model, process_group=dp_group, tp_parts=tp_parts,
+        model, process_group=dp_group, tp_boxes={name: (part.shape, part.box) for name, part in tp_parts.items()},
         initial_value=lambda name, param, flat: value(name, tp_parts[name].shape, tp_parts[name].box, flat))
 
 
@@ -2435,15 +2438,15 @@ def _load_and_run(layout, folder, idx):
     """Build `layout` as its script does, from the checkpoint in `folder`: (whole logits of idx[:, :-1], the loss on
     idx[:, 1:], the size of every tensor read from the file, the sizes and row widths of the parts this rank holds)."""
     with open(os.path.join(folder, "config.json")) as f:
-        config = gpt.config_from_hugging_face(json.load(f), block_size=idx.shape[1] - 1, dropout=0.0)
-    reads, real_read = [], training.HuggingFaceCheckpoint.read
+        config = hugging_face.config_from_hugging_face(json.load(f), block_size=idx.shape[1] - 1, dropout=0.0)
+    reads, real_read = [], hugging_face.HuggingFaceCheckpoint.read
 
     def read(checkpoint, name, box):
         tensor = real_read(checkpoint, name, box)
         reads.append(tensor.numel())
         return tensor
 
-    training.HuggingFaceCheckpoint.read = read
+    hugging_face.HuggingFaceCheckpoint.read = read
     try:
         value = training.initial_values(config, 0, folder)
         if layout == "single":
@@ -2456,8 +2459,9 @@ def _load_and_run(layout, folder, idx):
         else:
             model = _fully_sharded_tensor_parallel_model(config, value)
     finally:
-        training.HuggingFaceCheckpoint.read = real_read
-    parts = model.parts() if hasattr(model, "parts") else training.parameter_parts(model)
+        hugging_face.HuggingFaceCheckpoint.read = real_read
+    parts = ([checkpoint.Part(*where) for where in model.parts()] if hasattr(model, "parts")
+             else checkpoint.parameter_parts(model))
     with torch.no_grad():
         logits, loss = model(idx[:, :-1])[..., :config.vocab_size], model(idx[:, :-1], idx[:, 1:])
     part_sizes = [(part.flat[1] - part.flat[0], math.prod(b - a for a, b in part.box[1:])) for part in parts]
@@ -2476,7 +2480,7 @@ def test_hugging_face_gpt2_loads_in_every_layout(tmp_path_factory, layout, world
         write_hugging_face_gpt2(folder, tensors, prefix="transformer.")  # the save_pretrained() naming
     if LAUNCHED_WORLD > 1:
         dist.barrier()
-    config = gpt.config_from_hugging_face(training.HuggingFaceCheckpoint(str(folder)).config, 32, 0.0)
+    config = hugging_face.config_from_hugging_face(hugging_face.HuggingFaceCheckpoint(str(folder)).config, 32, 0.0)
     value = training.initial_values(config, 0, str(folder))
     for name, expected in gpt_weights_from_hugging_face(tensors, config).items():  # wte's padding rows too: zeros
         assert torch.equal(value(name, expected.shape), expected), name
@@ -2510,7 +2514,7 @@ def test_every_script_starts_from_the_hugging_face_weights(corpus, shared_tmp, g
     run_distributed(ranks, main, flags(corpus, shared_tmp, model=None, init_from=folder, max_steps=1, lr=0, min_lr=0,
                                        **extra))
     run = read_run(shared_tmp)
-    config = gpt.config_from_hugging_face(training.HuggingFaceCheckpoint(folder).config, 32, 0.0)
+    config = hugging_face.config_from_hugging_face(hugging_face.HuggingFaceCheckpoint(folder).config, 32, 0.0)
     expected = gpt_weights_from_hugging_face(tensors, config)
     assert run.weights.keys() == expected.keys()
     for name, weight in expected.items():
@@ -2588,12 +2592,12 @@ def test_init_from_a_hub_name_reads_the_huggingface_hub_cache(tmp_path, gpt2_lik
     (tmp_path / "models--gpt2" / "refs" / "main").write_text(snapshot.name)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    assert os.path.samefile(training.pretrained_folder("gpt2"), snapshot)
-    assert training.HuggingFaceCheckpoint("gpt2").config["n_layer"] == 2
+    assert os.path.samefile(hugging_face.pretrained_folder("gpt2"), snapshot)
+    assert hugging_face.HuggingFaceCheckpoint("gpt2").config["n_layer"] == 2
     start = time.time()
     with pytest.raises(ValueError, match="'gpt2-xl' is no local folder, and the Hugging Face hub did not give it "
                                          r"\(LocalEntryNotFoundError\): pass a folder") as error:
-        training.pretrained_folder("gpt2-xl")
+        hugging_face.pretrained_folder("gpt2-xl")
     assert time.time() - start < 5 and "\n" not in str(error.value)
 
 
@@ -2634,7 +2638,7 @@ def test_resume_with_dropout_is_bit_identical(corpus, tmp_path_factory, shared_t
     main, ranks, extra = WITH_DROPOUT[layout]
     argv = flags(corpus, shared_tmp, dropout=DROPOUT, ckpt_interval=2, **extra)
     assert run_distributed(ranks, _train_until, main, 3, argv) == ["crashed"] * ranks
-    assert training.latest_checkpoint(str(shared_tmp)).endswith("ckpt-0000002")
+    assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000002")
     run_distributed(ranks, main, argv + ["--resume"])
     assert_identical(read_run(str(shared_tmp)), uninterrupted(corpus, tmp_path_factory, layout))
 
@@ -2642,7 +2646,7 @@ def test_resume_with_dropout_is_bit_identical(corpus, tmp_path_factory, shared_t
 # ------------------------------------------------------------------------------------------------------------
 # --activation_checkpointing: each block keeps only its input and recomputes the rest in backward, where the
 # strategy has made the block's weights available again (FSDP gathers the unit for backward) and the random state
-# is restored (torch restores the default generators, training.recompute_streams our RNGStreams). The math is
+# is restored (torch restores the default generators, training.recompute_streams the strategy's RNGStreams). The math is
 # unchanged: the same layouts against train_single.py within the same tolerances, and with dropout each layout
 # bit-identical to itself without checkpointing (the recompute draws the masks the forward drew).
 
@@ -2691,7 +2695,7 @@ def test_activation_checkpointing_with_dropout_single(corpus, tmp_path_factory, 
 
 
 # ------------------------------------------------------------------------------------------------------------
-# --plan, the memory planner (training.plan_memory): measured, not trusted. A real run of each layout reports what
+# --plan, the memory planner (plan.plan_memory): measured, not trusted. A real run of each layout reports what
 # one rank holds: its parameters, gradients and AdamW state after the first optimizer step (every storage once),
 # and the tensors autograd saves for backward during the first micro-batch's forward (saved-tensor hooks; under
 # FSDP its own pack hook, which keeps gathered weights by reference, tells what it keeps; the rank's parameters
@@ -2735,9 +2739,9 @@ def test_plan_matches_what_a_run_holds(corpus, shared_tmp, layout, dtype, checkp
     held = run_distributed(ranks, _memory_held, main, argv)
     assert all(rank == held[0] for rank in held)  # every rank of these layouts holds alike
     micro_batch = 2
-    plan = dict(training.plan_memory(gpt.make_config("tiny", 256, 32), training.Layout(
+    rows = dict(plan.plan_memory(gpt.make_config("tiny", 256, 32), plan.Layout(
         strategy, ranks, dp, tp, micro_batch, dtype, activation_checkpointing=checkpointing, device="cpu", **options)))
-    planned = lambda prefix: sum(size for item, size in plan.items() if item.startswith(prefix))  # noqa: E731
+    planned = lambda prefix: sum(size for item, size in rows.items() if item.startswith(prefix))  # noqa: E731
     assert (planned("parameters"), planned("gradients"), planned("AdamW")) == (
         held[0]["parameters"], held[0]["gradients"], held[0]["optimizer"])
     activations = planned("activations") + planned("embeddings") + planned("loss") + planned("bfloat16 copies")
@@ -2769,15 +2773,15 @@ def test_activation_checkpointing_keeps_only_block_inputs():
     """Planned: with checkpointing each block keeps its input alone (float32 [b, s, h]); the GPT-3 presets at
     every tensor-parallel degree plan on meta."""
     config = gpt.make_config("tiny", 256, 32)
-    layout = training.Layout("single", 1, 1, 1, 2)
-    without = dict(training.plan_memory(config, layout))["activations of the blocks"]
-    with_it = dict(training.plan_memory(config, layout._replace(activation_checkpointing=True)))
+    layout = plan.Layout("single", 1, 1, 1, 2)
+    without = dict(plan.plan_memory(config, layout))["activations of the blocks"]
+    with_it = dict(plan.plan_memory(config, layout._replace(activation_checkpointing=True)))
     assert with_it["activations of the blocks"] == config.n_layer * 2 * 32 * 128 * 4 < without / 10
     for preset in (p for p in gpt.PRESETS if p.startswith("gpt3")):
         for tp in (1, 2, 4, 8):
             config = gpt.make_config(preset, 50257, 2048)
             training.check_tensor_parallel(config, tp, True)
-            assert training.plan_memory(config, training.Layout("2d", 8 * tp, 8, tp, 1, "bfloat16"))
+            assert plan.plan_memory(config, plan.Layout("2d", 8 * tp, 8, tp, 1, "bfloat16"))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -2992,7 +2996,7 @@ def test_killed_worker_ends_the_job_then_resume_finishes_it(corpus, tmp_path, tm
     assert seconds < COLLECTIVE_TIMEOUT_S, output[-5000:]
     root_cause = output.split("Root Cause")[-1]
     assert "rank      : 1 (local_rank: 1)" in root_cause and "SIGKILL" in root_cause, output[-5000:]
-    assert training.latest_checkpoint(str(out_dir)).endswith("ckpt-0000002")
+    assert checkpoint.latest(str(out_dir)).endswith("ckpt-0000002")
 
     run_distributed(2, train_ddp.main, argv + ["--resume"])
     assert [r["step"] for r in resumed_records(out_dir)] == [2, 3, 4, 5]
@@ -3182,21 +3186,21 @@ def _resume_refused(argv):
 ])
 def test_broken_checkpoint_is_refused_on_every_rank(corpus, tmp_path, damage, message):
     run_distributed(2, train_ddp.main, flags(corpus, tmp_path, max_steps=2))
-    checkpoint = training.latest_checkpoint(str(tmp_path))
+    found = checkpoint.latest(str(tmp_path))
     overrides = dict(max_steps=4, resume=True)
     if damage == "truncate":
-        rank_file = os.path.join(checkpoint, "rank00000.pt")
+        rank_file = os.path.join(found, "rank00000.pt")
         with open(rank_file, "r+b") as f:
             f.truncate(os.path.getsize(rank_file) // 2)
     else:
         overrides["block_size"] = 64
-    files = {name: open(os.path.join(checkpoint, name), "rb").read() for name in os.listdir(checkpoint)}
+    files = {name: open(os.path.join(found, name), "rb").read() for name in os.listdir(found)}
     metrics = open(tmp_path / "metrics.jsonl").read()
     errors = run_distributed(2, _resume_refused, flags(corpus, tmp_path, **overrides))
     for rank, error in enumerate(errors):
         assert error and message in error, f"rank {rank}: {error}"
-    assert training.latest_checkpoint(str(tmp_path)) == checkpoint
-    assert {name: open(os.path.join(checkpoint, name), "rb").read() for name in os.listdir(checkpoint)} == files
+    assert checkpoint.latest(str(tmp_path)) == found
+    assert {name: open(os.path.join(found, name), "rb").read() for name in os.listdir(found)} == files
     assert open(tmp_path / "metrics.jsonl").read() == metrics  # not a single step was taken
 
 
@@ -3252,7 +3256,7 @@ def test_bench_runs_tensor_parallel_on_gpt2_vocabulary_offline(tmp_path):
     assert rows.keys() == {("tp", "ours"), ("tp", "torch")} and all(row["tokens_per_s"] > 0 for row in rows.values())
     folder = bench.synthetic_data(str(tmp_path / "tokens"), 50257, num_tokens=100_000)
     tokens = np.fromfile(os.path.join(folder, "train.bin"), dtype=np.uint16)
-    assert training.load_meta(folder)["vocab_size"] == 50257 and tokens.max() > 50000 and tokens.max() < 50257
+    assert prepare_data.load_meta(folder)["vocab_size"] == 50257 and tokens.max() > 50000 and tokens.max() < 50257
 
 
 def _residual_stream_copies(sequence_parallel):

@@ -18,6 +18,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                loss_parallel, parallelize_module)
 from torch.nn.parallel import DistributedDataParallel
 
+import checkpoint
+import train_tp
 import training
 
 
@@ -109,7 +111,7 @@ def parallelize_with_dtensor(model, mesh, sequence_parallel, loss_parallel):
     if loss_parallel:
         model.loss_fn = DTensorLossParallel.apply
     whole = lambda logits: logits.full_tensor() if isinstance(logits, DTensor) else logits  # noqa: E731
-    return training.sampling_hooks(model, mesh.size() if sequence_parallel else 1, whole)
+    return train_tp.sampling_hooks(model, mesh.size() if sequence_parallel else 1, whole)
 
 
 def clip_grad_norm_(parameters, max_norm):
@@ -135,5 +137,5 @@ def full_tensors(model, optimizer, master):
         for key, tensor in [(name, param)] + moments:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if master:
-                tensors[key] = [training.piece(full.shape, full)]
+                tensors[key] = [checkpoint.piece(full.shape, full)]
     return tensors

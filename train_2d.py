@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import gpt
 import train_fsdp
 import train_tp
@@ -59,13 +60,14 @@ def main(argv=None):
         raise training.UsageError(f"--tp {tp} x --dp {dp} = {tp * dp} ranks, but the world has {world_size}: {launch}")
     dp_rank, dp_size = rank // tp, dp
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
-        return training.print_plan(args, world_size, dp_size)
+        import plan
+        return plan.print_plan(args, world_size, dp_size)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
     training.check_tensor_parallel(config, tp, args.sequence_parallel)
-    checkpoint_path = training.checkpoint_to_resume(args)
+    checkpoint_path = checkpoint.to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     tp_group, dp_group = new_groups(tp, dp)
     torch.manual_seed(args.seed + dp_rank)  # dropout outside the TP region: TP peers draw the same masks
@@ -79,23 +81,24 @@ def main(argv=None):
     if args.impl == "torch":
         import torch_reference
         model, groups, clip_grad_norm = torch_reference.fully_shard_tensor_parallel(model, config, args, device, tp, dp)
-        parts = None  # its checkpoints gather each tensor whole
+        parts, streams = None, {}  # its checkpoints gather each tensor whole
     else:
         train_tp.parallelize(model, tp_group, args.sequence_parallel, not args.no_loss_parallel,
                              dropout_seed=args.seed + 1000 * (1 + rank))
-        tp_parts = {part.name: part for part in training.parameter_parts(model)}
+        streams = model.rng_streams
+        tp_parts = {part.name: part for part in checkpoint.parameter_parts(model)}
         value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
         model = train_fsdp.FullyShardedDataParallel(
             model, process_group=dp_group, device=device, compute_dtype=getattr(torch, args.dtype),
-            reshard_after_forward=not args.no_reshard, tp_parts=tp_parts,
+            reshard_after_forward=not args.no_reshard, tp_boxes={name: (p.shape, p.box) for name, p in tp_parts.items()},
             initial_value=lambda name, param, flat: value(name, tp_parts[name].shape, tp_parts[name].box, flat))
-        groups, parts = model.parameter_groups(), model.parts()
+        groups, parts = model.parameter_groups(), [checkpoint.Part(*where) for where in model.parts()]
         clip_grad_norm = lambda limit: train_tp.clip_grad_norm_(parts, limit, tp_group)  # noqa: E731
     optimizer = training.make_optimizer(groups, args, device)
-    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
+    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing, streams)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
+    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device, streams)
     logger = training.Logger(args, config, device, rank, world_size)
     tp_groups, dp_groups = grid(tp, dp)
     logger.print(f"grid: {dp} data-parallel x {tp} tensor-parallel | TP groups {tp_groups} | DP groups {dp_groups}")
@@ -124,11 +127,11 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every rank writes its shards of TP-sliced tensors; replicated ones come from TP rank 0
-        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.max_steps:
+        if checkpoint.due(step, args):
             first = dist.get_rank(tp_group) == 0
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None else
-                       training.checkpoint_tensors([part for part in parts if part.sliced or first], optimizer))
-            training.save_checkpoint(args, step + 1, tensors, config, device, rank, world_size)
+                       checkpoint.pieces([part for part in parts if part.sliced or first], optimizer))
+            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size, streams)
 
     training.sample(model, meta, args, device, autocast, show=rank == 0)  # every rank: each forward needs them all
     if owns_group:

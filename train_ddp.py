@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import checkpoint
 import gpt
 import training
 
@@ -138,12 +139,13 @@ def main(argv=None):
     rank, local_rank, world_size = training.launched_rank(args)
     dp_rank, dp_size = rank, world_size
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
-        return training.print_plan(args, world_size, dp_size)
+        import plan
+        return plan.print_plan(args, world_size, dp_size)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
-    checkpoint_path = training.checkpoint_to_resume(args)
+    checkpoint_path = checkpoint.to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
@@ -160,12 +162,12 @@ def main(argv=None):
         ddp_model = torch_reference.data_parallel(model, device, args.bucket_mb)
     else:
         ddp_model = DataParallel(model, args.bucket_mb)
-    parts = training.parameter_parts(model)
+    parts = checkpoint.parameter_parts(model)
     optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, device)
     forward = training.wrap_blocks(ddp_model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
+    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
     logger.start(train_data, dp_size, start_step)
 
@@ -192,9 +194,9 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every replica holds everything, so rank 0 alone writes the tensors
-        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.max_steps:
-            tensors = training.checkpoint_tensors(parts if rank == 0 else [], optimizer)
-            training.save_checkpoint(args, step + 1, tensors, config, device, rank, world_size)
+        if checkpoint.due(step, args):
+            tensors = checkpoint.pieces(parts if rank == 0 else [], optimizer)
+            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
 
     training.sample(model, meta, args, device, autocast, show=rank == 0)
     if owns_group:

@@ -19,8 +19,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+import checkpoint
 import gpt
 import training
+
+# The collectives under their torch >= 2.13 names, or the older ones (same signatures) on earlier torch.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class FlatParameter:
@@ -61,7 +66,7 @@ class FlatParameter:
         if self.full is None and self.work is None:
             self.incoming = torch.empty(self.shard_size * self.world, dtype=self.dtype, device=self.shard.device)
             self.sent = self.shard.detach().to(self.dtype)
-            self.work = training.all_gather_single(self.incoming, self.sent, group=self.group, async_op=True)
+            self.work = all_gather_single(self.incoming, self.sent, group=self.group, async_op=True)
         if wait and self.work is not None:
             self.work.wait()
             self.full, self.incoming, self.sent, self.work = self.incoming, None, None, None
@@ -105,14 +110,15 @@ class FullyShardedDataParallel(nn.Module):
     after their holders). A parameter belongs to the innermost unit holding every module using it: a weight tied
     across units lives in the root, gathered from the start of forward to the end of backward. Units compute in
     `compute_dtype`; shards, AdamW and gradient reduction stay float32. initial_value(name, parameter, flat): its
-    starting value's elements [flat[0], flat[1]), flattened (default: the current ones; required on meta). tp_parts:
-    {name: training.Part} when the module is tensor-parallel (train_2d.py): checkpoints place shards in its slices."""
+    starting value's elements [flat[0], flat[1]), flattened (default: the current ones; required on meta). tp_boxes:
+    {name: (full shape, box)} when the module is tensor-parallel (train_2d.py): where its slices lie in the full
+    tensors, for the checkpoint."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
-                 reshard_after_forward=True, initial_value=None, tp_parts=None):
+                 reshard_after_forward=True, initial_value=None, tp_boxes=None):
         super().__init__()
         self.module, self.group, self.compute_dtype = module, process_group or dist.group.WORLD, compute_dtype
-        self.reshard_after_forward, self.tp_parts, self.order = reshard_after_forward, tp_parts or {}, []
+        self.reshard_after_forward, self.tp_boxes, self.order = reshard_after_forward, tp_boxes or {}, []
         unit_modules = [module] + list(getattr(module, "blocks", []) if units is None else units)
         owner = {sub: index for index, unit in enumerate(unit_modules) for sub in unit.modules()}  # innermost wins
         params = {}
@@ -215,7 +221,7 @@ class FullyShardedDataParallel(nn.Module):
         self.finish_reduce_scatter()
         grad = grad.float()
         piece = torch.empty(flat.shard_size, device=grad.device)
-        work = training.reduce_scatter_single(piece, grad, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        work = reduce_scatter_single(piece, grad, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
         self.in_flight = (flat, piece, grad, work)
 
     def finish_reduce_scatter(self):
@@ -235,16 +241,24 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm):
         """The whole model's gradient norm: the shards are disjoint parts of it (padding's gradient is zero)."""
         grads = [shard.grad for shard in self.shards if shard.grad is not None]
-        return training.clip_grad_norm_(grads, grads, max_norm, self.group)
+        total = torch.zeros((), device=grads[0].device)
+        for grad in grads:
+            total += grad.pow(2).sum()
+        dist.all_reduce(total, group=self.group)  # one number: the squared norm of the whole model
+        norm = total.sqrt()
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # clip_grad_norm_'s coefficient
+        return norm
 
     def parts(self):
-        """A training.Part for each piece of an original parameter in this rank's shards: the checkpoint layout."""
+        """Where each piece of an original parameter sits in this rank's shards, as checkpoint.Part's fields:
+        (name, full shape, box of the full tensor, flat range of the box, the shard, offset in the shard)."""
         parts = []
         for flat in self.flats:
             for index, begin, end, start in flat.pieces:
                 name = flat.names[index]
-                whole = self.tp_parts.get(name) or training.whole_part(name, flat.shard, flat.shapes[index])
-                parts.append(training.Part(name, whole.shape, whole.box, (begin, end), flat.shard, start))
+                shape, box = self.tp_boxes.get(name, (tuple(flat.shapes[index]), None))
+                box = box or tuple((0, n) for n in shape)
+                parts.append((name, shape, box, (begin, end), flat.shard, start))
         return parts
 
 
@@ -260,12 +274,13 @@ def main(argv=None):
     rank, local_rank, world_size = training.launched_rank(args)
     dp_rank, dp_size = rank, world_size
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
-        return training.print_plan(args, world_size, dp_size)
+        import plan
+        return plan.print_plan(args, world_size, dp_size)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
-    checkpoint_path = training.checkpoint_to_resume(args)
+    checkpoint_path = checkpoint.to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
@@ -286,12 +301,13 @@ def main(argv=None):
         model = FullyShardedDataParallel(model, device=device, compute_dtype=getattr(torch, args.dtype),
                                          reshard_after_forward=not args.no_reshard,  # by name: on meta or not
                                          initial_value=lambda name, param, flat: value(name, param.shape, flat=flat))
-        groups, clip_grad_norm, parts = model.parameter_groups(), model.clip_grad_norm_, model.parts()
+        groups, clip_grad_norm = model.parameter_groups(), model.clip_grad_norm_
+        parts = [checkpoint.Part(*where) for where in model.parts()]
     optimizer = training.make_optimizer(groups, args, device)
     forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
+    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
     logger.start(train_data, dp_size, start_step)
 
@@ -316,10 +332,10 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every rank writes the pieces its shards hold
-        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.max_steps:
+        if checkpoint.due(step, args):
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None
-                       else training.checkpoint_tensors(parts, optimizer))
-            training.save_checkpoint(args, step + 1, tensors, config, device, rank, world_size)
+                       else checkpoint.pieces(parts, optimizer))
+            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
 
     training.sample(model, meta, args, device, autocast, show=rank == 0)  # every rank: each forward gathers from all
     if owns_group:

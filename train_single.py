@@ -12,6 +12,7 @@ from contextlib import nullcontext
 
 import torch
 
+import checkpoint
 import gpt
 import training
 
@@ -22,12 +23,13 @@ def main(argv=None):
     # ---- process groups: one process, one device; the data-parallel coordinates of the only rank
     rank, world_size, dp_rank, dp_size = 0, 1, 0, 1
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
-        return training.print_plan(args, world_size, dp_size)
+        import plan
+        return plan.print_plan(args, world_size, dp_size)
     device = training.get_device(args)
 
     # ---- data: every check of the arguments happens here, before any work
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=True)
-    checkpoint_path = training.checkpoint_to_resume(args)
+    checkpoint_path = checkpoint.to_resume(args)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
     # ---- model: built on meta, materialised on the device, initialised by parameter name (or from --init_from)
@@ -38,12 +40,12 @@ def main(argv=None):
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
 
     # ---- strategy: none; every parameter lives whole on this device
-    parts = training.parameter_parts(model)
+    parts = checkpoint.parameter_parts(model)
     optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, device)
     forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
+    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
     logger.start(train_data, dp_size, start_step)
 
@@ -67,8 +69,8 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint
-        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.max_steps:
-            training.save_checkpoint(args, step + 1, training.checkpoint_tensors(parts, optimizer), config, device)
+        if checkpoint.due(step, args):
+            checkpoint.save(args, step + 1, checkpoint.pieces(parts, optimizer), config, device)
 
     training.sample(model, meta, args, device, autocast, show=True)
 

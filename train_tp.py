@@ -17,8 +17,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint
 import gpt
 import training
+
+# The collectives under their torch >= 2.13 names, or the older ones (same signatures) on earlier torch.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # ------------------------------------------------------------------------------------------------------------
 # The four mappings of Megatron-LM's mappings.py: a collective forward and its conjugate backward. gpt.py's
@@ -35,14 +40,14 @@ def _all_reduce(x, group, dim):
 def _all_gather(x, group, dim):
     shard = x.movedim(dim, 0).contiguous()  # a view of a tensor stored dim-first; any other layout is copied
     out = shard.new_empty(dist.get_world_size(group) * shard.numel())  # gloo gathers only into a flat buffer
-    training.all_gather_single(out, shard.view(-1), group=group)
+    all_gather_single(out, shard.view(-1), group=group)
     return out.view(-1, *shard.shape[1:]).movedim(0, dim)
 
 
 def _reduce_scatter(x, group, dim):
     whole = x.movedim(dim, 0).contiguous()  # rank i's part is its i-th chunk
     out = whole.new_empty(whole.shape[0] // dist.get_world_size(group), *whole.shape[1:])
-    training.reduce_scatter_single(out.view(-1), whole.view(-1), group=group)
+    reduce_scatter_single(out.view(-1), whole.view(-1), group=group)
     return out.movedim(0, dim)
 
 
@@ -178,9 +183,48 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None  # autograd casts it back to the logits' dtype
 
 
+class RNGStream:
+    """A second stream of random numbers, for a region whose draws must differ from the rest's: dropout on a
+    tensor-parallel rank's own heads must differ across ranks, dropout on activations every rank holds alike must
+    agree. `swap`, a forward hook where the region starts and again where it ends, exchanges the default
+    generators' state with the stream's (as Megatron-LM's RNG tracker forks it); seeded on first use."""
+
+    def __init__(self, seed):
+        self.seed = seed
+        self.state = None  # (CPU generator state, this GPU's or None) while the region is not running
+
+    def swap(self, module, args, *output):
+        device = args[0].device
+        current = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        if self.state is None:
+            torch.manual_seed(self.seed)
+        else:
+            torch.set_rng_state(self.state[0])
+            if self.state[1] is not None:
+                torch.cuda.set_rng_state(self.state[1], device)
+        self.state = current
+
+
+def sampling_hooks(model, multiple, gather):
+    """For a model split along the sequence or the vocabulary (here, and torch_reference.py): generate() calls
+    model(idx) without targets, at any length, and wants whole logits. Pad the prompt to a `multiple` of the
+    sequence shards (causal: padding never reaches earlier positions), gather the logits, drop the padding."""
+    lengths = []
+
+    def pad(module, args, kwargs):
+        if len(args) == 1 and kwargs.get("targets") is None:
+            lengths.append(args[0].shape[1])
+            return (F.pad(args[0], (0, -args[0].shape[1] % multiple)),), kwargs
+
+    model.register_forward_pre_hook(pad, with_kwargs=True)
+    model.register_forward_hook(lambda module, args, out: gather(out)[:, :lengths.pop()] if out.dim() == 3 else None)
+    return model
+
+
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropout_seed=0):
     """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place, on meta before to_empty and
-    init_weights. dropout_seed seeds the tensor-parallel region's dropout: different on every rank."""
+    init_weights. dropout_seed seeds the tensor-parallel region's dropout: different on every rank. Its stream is
+    model.rng_streams["tensor_parallel"], which checkpoints and recomputed blocks save and restore."""
     model.wte = VocabParallelEmbedding(model.wte, group, sequence_parallel)
     model.lm_head = ColumnParallelLinear(model.lm_head, group)
     model.lm_head.weight = model.wte.weight  # tied: column-parallel over the same vocabulary slice
@@ -196,7 +240,8 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
             logits, targets, group, model.config.vocab_size).mean()
     else:  # Megatron's parallel_output=False: every rank gathers the whole [tokens, vocab] logits
         model.lm_head.register_forward_hook(lambda module, args, logits: gather(logits))
-    regions, rng = [model.lm_head], training.RNGStream("tensor_parallel", dropout_seed)
+    regions, rng = [model.lm_head], RNGStream(dropout_seed)
+    model.rng_streams = {"tensor_parallel": rng}
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
         attn.query, attn.key, attn.value = (ColumnParallelLinear(m, group) for m in (attn.query, attn.key, attn.value))
@@ -215,7 +260,7 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
     # batch-first logits, as the loss flattens them: under sequence parallelism a [B, T, C] copy, not [B, T, V / tp]
     model.lm_head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(),))
     tp = dist.get_world_size(group)
-    return training.sampling_hooks(model, tp if sequence_parallel else 1, gather if loss_parallel else nn.Identity())
+    return sampling_hooks(model, tp if sequence_parallel else 1, gather if loss_parallel else nn.Identity())
 
 
 def allreduce_replicated_grads(parts, group):
@@ -233,9 +278,15 @@ def clip_grad_norm_(parts, max_norm, tp_group):
     """The gradient norm of the full model, every element counted once: TP slices on their own rank, replicated
     parameters on TP rank 0 only (in train_2d.py each part is further an FSDP shard, disjoint across DP ranks)."""
     first = dist.get_rank(tp_group) == 0
-    counted = [part.local(part.tensor.grad) for part in parts if part.sliced or first]
+    total = torch.zeros((), device=parts[0].tensor.device)
+    for part in parts:
+        if part.sliced or first:
+            total += part.local(part.tensor.grad).float().pow(2).sum()
+    dist.all_reduce(total)  # over every rank: in train_2d.py the data-parallel shards are disjoint too
+    norm = total.sqrt()
     grads = list({id(part.tensor): part.tensor.grad for part in parts}.values())  # an FSDP shard holds many parts
-    return training.clip_grad_norm_(counted, grads, max_norm)
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # clip_grad_norm_'s coefficient
+    return norm
 
 
 def main(argv=None):
@@ -253,13 +304,14 @@ def main(argv=None):
         raise training.UsageError(f"--tp {tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so --tp "
                                   "must be the world size; use train_2d.py to combine it with data parallelism")
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
-        return training.print_plan(args, world_size, dp_size)
+        import plan
+        return plan.print_plan(args, world_size, dp_size)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
     training.check_tensor_parallel(config, tp, args.sequence_parallel)
-    checkpoint_path = training.checkpoint_to_resume(args)
+    checkpoint_path = checkpoint.to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     torch.manual_seed(args.seed + dp_rank)  # dropout outside the tensor-parallel region: the same on every tp rank
 
@@ -269,26 +321,26 @@ def main(argv=None):
     if args.impl == "torch":
         import torch_reference
         model, groups, clip_grad_norm = torch_reference.tensor_parallel(model, config, args, device)
-        parts = None  # its checkpoints gather each tensor whole
+        parts, streams = None, {}  # its checkpoints gather each tensor whole
     else:  # the last argument seeds dropout on this rank's heads
         parallelize(model, dist.group.WORLD, args.sequence_parallel, not args.no_loss_parallel,
                     args.seed + world_size + rank)
         model.to_empty(device=device)
         model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
-        parts = training.parameter_parts(model)
+        parts, streams = checkpoint.parameter_parts(model), model.rng_streams
         value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
         for part in parts:  # each rank reads its own slices only: together the ranks hold train_single's weights
-            part.local().copy_(part.initial_value(value))
+            part.local().copy_(value(part.name, part.shape, part.box, part.flat))
         groups = training.decay_groups(model.parameters())
         clip_grad_norm = lambda limit: clip_grad_norm_(parts, limit, dist.group.WORLD)  # noqa: E731
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
 
     # ---- strategy: sharded matrices, replicated norms and biases; replicated tensors are saved by rank 0 only
     optimizer = training.make_optimizer(groups, args, device)
-    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
+    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing, streams)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
+    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device, streams)
     logger = training.Logger(args, config, device, rank, world_size)
     modes = ", ".join([args.impl] + ["sequence parallel"] * args.sequence_parallel
                       + ["loss parallel"] * (not args.no_loss_parallel))
@@ -316,10 +368,10 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every rank its slices, rank 0 the replicated tensors
-        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.max_steps:
+        if checkpoint.due(step, args):
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None else
-                       training.checkpoint_tensors([part for part in parts if part.sliced or rank == 0], optimizer))
-            training.save_checkpoint(args, step + 1, tensors, config, device, rank, world_size)
+                       checkpoint.pieces([part for part in parts if part.sliced or rank == 0], optimizer))
+            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size, streams)
 
     training.sample(model, meta, args, device, autocast, show=rank == 0)  # every rank: each forward needs them all
     if owns_group:

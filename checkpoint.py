@@ -1,0 +1,291 @@
+"""
+The one checkpoint format every layout shares, so a run saved by any script resumes under any other, at any
+world size.
+
+A checkpoint is a folder `<out_dir>/ckpt-<step>` with one file per rank and a meta.pt; `<out_dir>/latest` names
+the newest complete one. A rank file maps tensor names (the gpt.py parameter name, or `exp_avg/<name>` and
+`exp_avg_sq/<name>` for AdamW's moments) to a list of pieces:
+    {"shape": full shape, "box": ((start, stop) per dim), "flat": (start, stop), "data": 1-D tensor}
+A piece is what a rank holds of a tensor (its Part, below), copied out. Loading assembles each full tensor from
+every piece and lets the loading layout take its own part.
+"""
+
+import math
+import os
+import re
+import shutil
+from dataclasses import asdict
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+import training
+
+
+class Part(NamedTuple):
+    """Which part of the full tensor `name` (of full `shape`) this rank holds, and where: elements [flat[0],
+    flat[1]) of the flattened full[box] sit in tensor.view(-1) from `start` on. A whole tensor has the full box and
+    flat range; a tensor-parallel slice narrows the box; an FSDP shard narrows the flat range; 2-D does both."""
+    name: str
+    shape: tuple
+    box: tuple
+    flat: tuple
+    tensor: torch.Tensor
+    start: int = 0
+
+    def local(self, tensor=None):
+        """This part's elements in `tensor` (default: the parameter; or its gradient, an AdamW moment)."""
+        tensor = self.tensor if tensor is None else tensor
+        return tensor.detach().view(-1)[self.start:self.start + self.flat[1] - self.flat[0]]
+
+    @property
+    def sliced(self):
+        """Split across tensor-parallel ranks, as opposed to replicated on each (whole, or an FSDP shard of it)."""
+        return any(box != (0, n) for box, n in zip(self.box, self.shape))
+
+
+def whole_part(name, tensor, shape=None, box=None):
+    """The Part of a tensor this rank holds entirely: a whole parameter, or a tensor-parallel slice full[box]."""
+    shape = tuple(tensor.shape if shape is None else shape)
+    box = tuple((0, n) for n in shape) if box is None else tuple(box)
+    return Part(name, shape, box, (0, tensor.numel()), tensor)
+
+
+def parameter_parts(model):
+    """The Part of every parameter of a model whose modules may hold slices: a module lists its slices in a `boxes`
+    dict, parameter name -> (full shape, box) (train_tp.py's layers); any other parameter is whole. A tied parameter
+    is listed once, under its first name (wte.weight for the LM head)."""
+    parts = []
+    for name, param in model.named_parameters():
+        module_name, _, param_name = name.rpartition(".")
+        shape, box = getattr(model.get_submodule(module_name), "boxes", {}).get(param_name, (None, None))
+        parts.append(whole_part(name, param, shape, box))
+    return parts
+
+
+def piece(shape, data, box=None, flat=None):
+    box = tuple((0, n) for n in shape) if box is None else tuple(box)
+    flat = (0, math.prod(b - a for a, b in box)) if flat is None else tuple(flat)
+    if data.numel() != flat[1] - flat[0]:
+        raise ValueError(f"piece of {data.numel()} elements for flat range {flat}")
+    # A copy, not a view: torch.save writes a view's whole storage, e.g. an entire FSDP flat buffer.
+    return {"shape": tuple(shape), "box": box, "flat": flat, "data": data.detach().reshape(-1).to("cpu", copy=True)}
+
+
+def pieces(parts, optimizer):
+    """The pieces a rank writes: its parameters' parts, and AdamW's moments over the same parts."""
+    tensors = {}
+    for part in parts:
+        tensors.setdefault(part.name, []).append(piece(part.shape, part.local(), part.box, part.flat))
+        state = optimizer.state.get(part.tensor, {})
+        for moment in ("exp_avg", "exp_avg_sq"):
+            if moment in state:
+                moment_piece = piece(part.shape, part.local(state[moment]), part.box, part.flat)
+                tensors.setdefault(f"{moment}/{part.name}", []).append(moment_piece)
+    return tensors
+
+
+def due(step, args):
+    """Whether a checkpoint follows optimizer step `step`: every --ckpt_interval steps, and after the last."""
+    return (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.max_steps
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Saving: every rank writes its own file, then rank 0 publishes the folder
+
+
+def save_shard(out_dir, step, rank, tensors, rng_state):
+    """Every rank writes its own pieces into the unpublished folder of this step."""
+    folder = os.path.join(out_dir, f"ckpt-{step:07d}.tmp")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank{rank:05d}.pt")
+    torch.save({"tensors": tensors, "rng": rng_state}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def publish(out_dir, step, world_size, meta, keep=0):
+    """Rank 0, after every rank's save_shard has returned: write meta, rename the folder into place, repoint
+    `latest`, then delete all but the `keep` newest checkpoints (0: keep every one). A crash at any moment leaves
+    `latest` naming a complete checkpoint, the previous one until the os.replace."""
+    tmp = os.path.join(out_dir, f"ckpt-{step:07d}.tmp")
+    final = os.path.join(out_dir, f"ckpt-{step:07d}")
+    meta = dict(meta, step=step, files=[f"rank{r:05d}.pt" for r in range(world_size)])
+    torch.save(meta, os.path.join(tmp, "meta.pt"))
+    if os.path.exists(final) and final != latest(out_dir):
+        shutil.rmtree(final)  # left by a run that crashed between this rename and the next line's
+    os.rename(tmp, final)
+    with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
+        f.write(os.path.basename(final))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+    # Older than this one by step; a newer one is left by a run resumed from before it, and is overwritten later.
+    older = sorted(name for name in os.listdir(out_dir)
+                   if re.fullmatch(r"ckpt-\d{7}", name) and name < os.path.basename(final))
+    for name in older[:max(0, len(older) - (keep - 1))] if keep else []:
+        shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+
+
+def save(args, step, tensors, config, device, rank=0, world_size=1, streams=None):
+    """Every rank writes its pieces; once all have (a barrier), rank 0 publishes the checkpoint. streams: the
+    random streams a strategy keeps beside torch's generators (train_tp.py), saved with them."""
+    save_shard(args.out_dir, step, rank, tensors, rng_state(device, streams))
+    if world_size > 1:
+        dist.barrier()
+    if rank == 0:
+        publish(args.out_dir, step, world_size, {"config": asdict(config), "args": vars(args)}, args.keep_checkpoints)
+    if world_size > 1:
+        dist.barrier()  # nobody goes on (or exits) while `latest` may still name the previous checkpoint
+
+
+def latest(out_dir):
+    pointer = os.path.join(out_dir, "latest")
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        return os.path.join(out_dir, f.read().strip())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Loading into any layout
+
+
+SCHEDULE_FLAGS = ("max_steps", "lr", "warmup_steps", "min_lr")  # training.get_lr(step) depends on these
+
+
+def to_resume(args):
+    """The checkpoint --resume continues, or None; refuses to train over a run it was not told to continue.
+    Says when the schedule differs from the checkpoint's, and exits (code 0) when it has reached --max_steps."""
+    if args.resume and getattr(args, "impl", "ours") == "torch":
+        raise training.UsageError("--resume is implemented for --impl ours only (it resumes checkpoints of any layout)")
+    path = latest(args.out_dir)
+    if path and not args.resume:
+        raise training.UsageError(f"{args.out_dir!r} already holds {path!r}: pass --resume to continue it, "
+                                  "or choose another --out_dir")
+    if not (path and args.resume):
+        return None
+    saved = Checkpoint(path).meta
+    say = print if training.launched_rank()[0] == 0 else lambda text: None
+    if saved["step"] >= args.max_steps:
+        say(f"nothing to do: {path!r} is at step {saved['step']} and --max_steps is {args.max_steps}; pass a larger "
+            "--max_steps to train further")
+        raise SystemExit(0)
+    changed = [f"--{flag} {saved['args'][flag]} -> {getattr(args, flag)}" for flag in SCHEDULE_FLAGS
+               if saved["args"].get(flag, getattr(args, flag)) != getattr(args, flag)]
+    if changed:
+        say(f"the schedule differs from the checkpoint's ({', '.join(changed)}): the learning rate follows the "
+            f"new one from step {saved['step']} on")
+    return path
+
+
+class Checkpoint:
+    """A checkpoint folder opened for reading. Files are memory-mapped: a full tensor is assembled only
+    when asked for, one at a time, so loading never holds the whole model at once."""
+
+    def __init__(self, path):
+        try:
+            self.meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
+            self.shards = [torch.load(os.path.join(path, name), map_location="cpu", weights_only=True, mmap=True)
+                           for name in self.meta["files"]]
+        except Exception as error:
+            raise RuntimeError(f"checkpoint {path!r} is unreadable ({type(error).__name__}: {error}); "
+                               "delete it or point `latest` at an older one") from error
+        self.path = path
+        self.pieces = {}
+        for shard in self.shards:
+            for name, pieces in shard["tensors"].items():
+                self.pieces.setdefault(name, []).extend(pieces)
+
+    def check(self, config, shapes):
+        """Refuse, before anything is loaded, a checkpoint of another model or one with missing pieces."""
+        if self.meta["config"] != asdict(config):
+            raise training.UsageError(f"checkpoint {self.path!r} is of another model: {self.meta['config']} vs this "
+                                      f"run's {asdict(config)}; use a new --out_dir, or the --model, --block_size "
+                                      "and --dropout it was saved with")
+        for name, shape in shapes.items():
+            pieces = self.pieces.get(name)
+            if not pieces or tuple(pieces[0]["shape"]) != tuple(shape):
+                found = tuple(pieces[0]["shape"]) if pieces else None
+                raise ValueError(f"checkpoint {self.path!r}: tensor {name} has shape {found}, expected {tuple(shape)}")
+            covered = sum(p["flat"][1] - p["flat"][0] for p in pieces)
+            if covered != math.prod(shape):
+                raise ValueError(f"checkpoint {self.path!r}: tensor {name} covers {covered} of "
+                                 f"{math.prod(shape)} elements (a rank file is missing or truncated)")
+
+    def full(self, name):
+        pieces = self.pieces[name]
+        out = torch.empty(pieces[0]["shape"], dtype=pieces[0]["data"].dtype)
+        for p in pieces:
+            region = out[tuple(slice(a, b) for a, b in p["box"])]
+            flat = region.flatten()  # a copy when the box is not contiguous: written back below
+            flat[p["flat"][0]:p["flat"][1]] = p["data"]
+            region.copy_(flat.view(region.shape))
+        return out
+
+    def region(self, name, part):
+        """The elements of tensor `name` that `part` holds, flattened."""
+        return self.full(name)[tuple(slice(a, b) for a, b in part.box)].flatten()[part.flat[0]:part.flat[1]]
+
+
+@torch.no_grad()
+def load(checkpoint, parts, optimizer, config):
+    """Fill this rank's parts (parameters, and AdamW moments unless optimizer is None) from a checkpoint of any
+    layout. Everything is checked before the first tensor is touched: a refused checkpoint leaves the model as it
+    was."""
+    shapes = {part.name: part.shape for part in parts}
+    with_moments = optimizer is not None and f"exp_avg/{parts[0].name}" in checkpoint.pieces
+    if with_moments:
+        shapes.update({f"{m}/{name}": shape for name, shape in list(shapes.items()) for m in ("exp_avg", "exp_avg_sq")})
+    checkpoint.check(config, shapes)
+    moments = {}
+    for part in parts:
+        part.local().copy_(checkpoint.region(part.name, part))
+        if with_moments:
+            if part.tensor not in moments:
+                moments[part.tensor] = (torch.zeros_like(part.tensor), torch.zeros_like(part.tensor))
+            for buffer, moment in zip(moments[part.tensor], ("exp_avg", "exp_avg_sq")):
+                part.local(buffer).copy_(checkpoint.region(f"{moment}/{part.name}", part))
+    if moments:
+        # Through load_state_dict, so AdamW puts its step counter where its implementation (fused, foreach)
+        # wants it; every parameter has taken one update per optimizer step.
+        state_dict = optimizer.state_dict()
+        index = {p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+        for param, (exp_avg, exp_avg_sq) in moments.items():
+            state_dict["state"][index[param]] = {"step": torch.tensor(float(checkpoint.meta["step"])),
+                                                 "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        optimizer.load_state_dict(state_dict)
+
+
+def resume(path, parts, optimizer, config, rank, device, streams=None):
+    """Load checkpoint `path` (None: start fresh) into this rank's parts; returns the step to continue from."""
+    if path is None:
+        return 0
+    checkpoint = Checkpoint(path)
+    load(checkpoint, parts, optimizer, config)
+    if rank < len(checkpoint.shards):  # a rank the saving run did not have starts its generators afresh
+        set_rng_state(checkpoint.shards[rank]["rng"], device, streams)
+    return checkpoint.meta["step"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Random state: dropout continues on resume exactly as in a run that was never stopped
+
+
+def rng_state(device, streams=None):
+    """Every generator this rank draws from: the default ones (CPU, and this GPU's) and a strategy's streams."""
+    state = {"cpu": torch.get_rng_state(), "streams": {name: s.state for name, s in (streams or {}).items()}}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device, streams=None):
+    if state is None:
+        return
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    for name, stream_state in state.get("streams", {}).items():
+        if name in (streams or {}):
+            streams[name].state = stream_state
