@@ -43,6 +43,23 @@ class Bucket:
 FIRST_BUCKET_MB = 1
 
 
+def assign_buckets(named_params, bucket_mb):
+    """[[(name, parameter)] per bucket]: in the order backward produces gradients (the reverse of registration),
+    at most bucket_mb MiB and one dtype a bucket. Needs no process group: bench.py counts the all-reduces from it."""
+    buckets, group, size = [], [], 0
+    for name, param in reversed(named_params):
+        nbytes = param.numel() * param.element_size()
+        # The first bucket is small, as in DistributedDataParallel: its all-reduce starts after the first few
+        # gradients instead of a whole bucket_mb of them, so communication overlaps most of backward.
+        cap = min(bucket_mb, FIRST_BUCKET_MB) if not buckets else bucket_mb
+        if group and (size + nbytes > cap * 2**20 or param.dtype != group[0][1].dtype):
+            buckets.append(group)
+            group, size = [], 0
+        group.append((name, param))
+        size += nbytes
+    return buckets + [group] if group else buckets
+
+
 class DataParallel(nn.Module):
     """Wraps any module so that, after backward, every parameter's .grad is the mean of the ranks' gradients.
 
@@ -63,19 +80,7 @@ class DataParallel(nn.Module):
                 dist.broadcast(tensor, dist.get_global_rank(self.process_group, 0), group=self.process_group)
         # named_parameters() lists a shared (tied) parameter once, so it is reduced once; frozen ones are left alone.
         trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        self.buckets, group, size = [], [], 0
-        for name, param in reversed(trainable):
-            nbytes = param.numel() * param.element_size()
-            # The first bucket is small, as in DistributedDataParallel: its all-reduce starts after the first few
-            # gradients instead of a whole bucket_mb of them, so communication overlaps most of backward.
-            cap = min(bucket_mb, FIRST_BUCKET_MB) if not self.buckets else bucket_mb
-            if group and (size + nbytes > cap * 2**20 or param.dtype != group[0][1].dtype):  # one dtype a buffer
-                self.buckets.append(Bucket(group))
-                group, size = [], 0
-            group.append((name, param))
-            size += nbytes
-        if group:
-            self.buckets.append(Bucket(group))
+        self.buckets = [Bucket(named_params) for named_params in assign_buckets(trainable, bucket_mb)]
         for bucket in self.buckets:
             for param, grad in zip(bucket.params, bucket.grads):
                 param.grad = grad

@@ -105,6 +105,32 @@ class Unshard(torch.autograd.Function):
         return None, None, None
 
 
+def unit_modules(module, units=None):
+    """The modules FSDP gathers one at a time: the root, then each of `units` (default: the module's `blocks`)."""
+    return [module] + list(getattr(module, "blocks", []) if units is None else units)
+
+
+def flat_parameter_groups(module, units=None):
+    """For each unit, {kind: [(name, parameter, its (module, attribute) uses)]}: the FlatParameters it will hold,
+    one per kind (requires grad, is a matrix). A parameter belongs to the innermost unit holding every module that
+    uses it: a weight tied across units (wte and lm_head) lives in the root. Needs no process group: the planner
+    (plan.py) counts what a rank holds from it, on meta."""
+    holders = unit_modules(module, units)
+    owner = {sub: index for index, unit in enumerate(holders) for sub in unit.modules()}  # innermost wins
+    params = {}
+    for module_name, sub in module.named_modules():
+        for attribute, param in list(sub._parameters.items()):
+            if param is not None:
+                name = f"{module_name}.{attribute}".lstrip(".")
+                params.setdefault(param, (name, param, []))[2].append((sub, attribute))
+    groups = [{} for _ in holders]
+    for entry in params.values():
+        users = {owner[sub] for sub, _ in entry[2]}
+        kind = (entry[1].requires_grad, entry[1].dim() >= 2)
+        groups[users.pop() if len(users) == 1 else 0].setdefault(kind, []).append(entry)
+    return groups
+
+
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 on any nn.Module. Units: the root module and each of `units` (default: its `blocks`; nested ones
     after their holders). A parameter belongs to the innermost unit holding every module using it: a weight tied
@@ -119,28 +145,17 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         self.module, self.group, self.compute_dtype = module, process_group or dist.group.WORLD, compute_dtype
         self.reshard_after_forward, self.tp_boxes, self.order = reshard_after_forward, tp_boxes or {}, []
-        unit_modules = [module] + list(getattr(module, "blocks", []) if units is None else units)
-        owner = {sub: index for index, unit in enumerate(unit_modules) for sub in unit.modules()}  # innermost wins
-        params = {}
-        for module_name, sub in module.named_modules():
-            for attribute, param in list(sub._parameters.items()):
-                if param is not None:
-                    name = f"{module_name}.{attribute}".lstrip(".")
-                    if param.is_meta and initial_value is None:
-                        raise ValueError(f"parameter {name} is on meta: pass initial_value to say what it starts as")
-                    params.setdefault(param, (name, param, []))[2].append((sub, attribute))
-        kinds = [{} for _ in unit_modules]
-        for entry in params.values():
-            holders = {owner[sub] for sub, _ in entry[2]}
-            kind = (entry[1].requires_grad, entry[1].dim() >= 2)
-            kinds[holders.pop() if len(holders) == 1 else 0].setdefault(kind, []).append(entry)
-        initial_value = initial_value or (lambda name, param, flat: param.detach().reshape(-1)[flat[0]:flat[1]])
+        if initial_value is None:
+            meta = [name for name, param in module.named_parameters() if param.is_meta]
+            if meta:
+                raise ValueError(f"parameter {meta[0]} is on meta: pass initial_value to say what it starts as")
+            initial_value = lambda name, param, flat: param.detach().reshape(-1)[flat[0]:flat[1]]  # noqa: E731
         self.gathered = {}  # storage address of a gathered buffer -> its FlatParameter: the saved-tensor hooks' map
         self.units = [[FlatParameter(entries, self, device, initial_value) for entries in unit.values()]
-                      for unit in kinds]
+                      for unit in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
         self.shards = nn.ParameterList(flat.shard for flat in self.flats)
-        for index, unit in enumerate(unit_modules):
+        for index, unit in enumerate(unit_modules(module, units)):
             unit.register_forward_pre_hook(partial(self._before_forward, index))
             unit.register_forward_hook(partial(self._after_forward, index))
         self.in_flight = None  # the latest reduce-scatter, finished when the next one starts

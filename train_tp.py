@@ -221,6 +221,20 @@ def sampling_hooks(model, multiple, gather):
     return model
 
 
+# What parallelize() splits in each block, by gpt.py's module names: the column-parallel linears by output rows
+# (weight and bias: for q, k and v a rank's own heads), the row-parallel ones by input columns (the weight; the bias
+# is added once, after the sum). Beside them the embedding (and the tied LM head) by vocabulary rows.
+COLUMN_PARALLEL = ("attn.query", "attn.key", "attn.value", "mlp.fc")
+ROW_PARALLEL = ("attn.proj", "mlp.proj")
+
+
+def is_sliced(name):
+    """Whether tensor parallelism splits parameter `name` across ranks (the planner counts 1/tp of it)."""
+    module, _, kind = name.rpartition(".")
+    module = module.split(".", 2)[-1]  # blocks.3.attn.query -> attn.query
+    return name == "wte.weight" or module in COLUMN_PARALLEL or (module in ROW_PARALLEL and kind == "weight")
+
+
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropout_seed=0):
     """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place, on meta before to_empty and
     init_weights. dropout_seed seeds the tensor-parallel region's dropout: different on every rank. Its stream is
@@ -244,9 +258,13 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
     model.rng_streams = {"tensor_parallel": rng}
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.query, attn.key, attn.value = (ColumnParallelLinear(m, group) for m in (attn.query, attn.key, attn.value))
-        attn.proj = RowParallelLinear(attn.proj, group, sequence_parallel)
-        mlp.fc, mlp.proj = ColumnParallelLinear(mlp.fc, group), RowParallelLinear(mlp.proj, group, sequence_parallel)
+        for name in COLUMN_PARALLEL:
+            parent, _, child = name.rpartition(".")
+            setattr(block.get_submodule(parent), child, ColumnParallelLinear(block.get_submodule(name), group))
+        for name in ROW_PARALLEL:
+            parent, _, child = name.rpartition(".")
+            linear = RowParallelLinear(block.get_submodule(name), group, sequence_parallel)
+            setattr(block.get_submodule(parent), child, linear)
         regions += [attn, mlp]
         if model.config.dropout:  # this rank's own heads draw from its own stream, from attention to the projection
             attn.register_forward_pre_hook(rng.swap)
