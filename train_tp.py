@@ -26,10 +26,10 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # ------------------------------------------------------------------------------------------------------------
-# The four mappings of Megatron-LM's mappings.py: a collective forward and its conjugate backward. gpt.py's
-# activations are [batch, sequence, hidden]: sequence parallelism splits dim 1, the vocabulary-parallel logits the
-# last dim. Under sequence parallelism ours are stored sequence-first as in Megatron-LM ([sequence, batch, hidden],
-# seen through .transpose(0, 1)) and a collective runs on dim 0 of memory: a shard is a contiguous chunk, not copied.
+# Megatron-LM's mappings: a collective forward and its conjugate backward. Sequence parallelism splits dim 1 of
+# gpt.py's [batch, sequence, hidden], the vocabulary-parallel logits the last dim. Under sequence parallelism the
+# activations are stored sequence-first, as in Megatron-LM ([sequence, batch, hidden] seen through .transpose(0, 1)),
+# so a collective runs on dim 0 of memory: a shard is a contiguous chunk, never copied.
 
 
 def _all_reduce(x, group, dim):
@@ -60,12 +60,16 @@ class Conjugate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, forward, backward, dim, x, group):
-        ctx.group, ctx.backward, ctx.dim = group, backward, dim
+        ctx.group = group
+        ctx.backward = backward
+        ctx.dim = dim
         return forward(x, group, dim) if forward else x
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, None, (ctx.backward(grad, ctx.group, ctx.dim) if ctx.backward else grad), None
+        if ctx.backward:
+            grad = ctx.backward(grad, ctx.group, ctx.dim)
+        return None, None, None, grad, None
 
 
 # Megatron's names, each called as (x, group): the collective forward, its conjugate backward, the dim they split.
@@ -100,11 +104,14 @@ def _linear(x, weight, bias=None):
 
 
 def _shard(tensor, group, dim):
-    """An empty parameter for this rank's slice of tensor along dim (init_weights fills it), and its (shape, box)."""
-    world, rank, n = dist.get_world_size(group), dist.get_rank(group), tensor.shape[dim]
-    box = tuple((rank * n // world, (rank + 1) * n // world) if d == dim else (0, size)
-                for d, size in enumerate(tensor.shape))
-    return nn.Parameter(tensor.new_empty([stop - start for start, stop in box])), (tuple(tensor.shape), box)
+    """An empty parameter for this rank's slice of tensor along dim (init_weights fills it), and its (shape, box):
+    where the slice lies in the full tensor."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    box = [(0, size) for size in tensor.shape]
+    box[dim] = (rank * tensor.shape[dim] // world, (rank + 1) * tensor.shape[dim] // world)
+    slice_shape = [stop - start for start, stop in box]
+    return nn.Parameter(tensor.new_empty(slice_shape)), (tuple(tensor.shape), tuple(box))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -113,7 +120,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear, group):
         super().__init__()
-        self.bias, self.boxes = None, {}
+        self.bias = None
+        self.boxes = {}
         for name, param in linear.named_parameters():  # weight [out, in] and bias [out]
             shard, self.boxes[name] = _shard(param, group, 0)
             setattr(self, name, shard)
@@ -127,8 +135,11 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear, group, sequence_parallel):
         super().__init__()
-        self.group, self.sequence_parallel, self.bias, self.boxes = group, sequence_parallel, linear.bias, {}
-        self.weight, self.boxes["weight"] = _shard(linear.weight, group, 1)
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.bias = linear.bias  # replicated
+        self.weight, weight_box = _shard(linear.weight, group, 1)
+        self.boxes = {"weight": weight_box}
 
     def forward(self, x):
         y = g(_linear(x, self.weight), self.group, self.sequence_parallel)
@@ -141,15 +152,21 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embedding, group, sequence_parallel):
         super().__init__()
-        self.group, self.sequence_parallel, self.boxes = group, sequence_parallel, {}
-        self.weight, self.boxes["weight"] = _shard(embedding.weight, group, 0)
-        self.start, self.stop = self.boxes["weight"][1][0]
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.weight, weight_box = _shard(embedding.weight, group, 0)
+        self.boxes = {"weight": weight_box}
+        self.start, self.stop = weight_box[1][0]
 
     def forward(self, idx):
-        idx = idx.t() if self.sequence_parallel else idx  # looked up sequence-first (see the mappings)
+        if self.sequence_parallel:
+            idx = idx.t()  # looked up sequence-first (see the mappings)
         outside = (idx < self.start) | (idx >= self.stop)
-        out = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
-        return g(out.transpose(0, 1) if self.sequence_parallel else out, self.group, self.sequence_parallel)
+        out = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        if self.sequence_parallel:
+            out = out.transpose(0, 1)
+        return g(out, self.group, self.sequence_parallel)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -205,22 +222,6 @@ class RNGStream:
         self.state = current
 
 
-def sampling_hooks(model, multiple, gather):
-    """For a model split along the sequence or the vocabulary (here, and torch_reference.py): generate() calls
-    model(idx) without targets, at any length, and wants whole logits. Pad the prompt to a `multiple` of the
-    sequence shards (causal: padding never reaches earlier positions), gather the logits, drop the padding."""
-    lengths = []
-
-    def pad(module, args, kwargs):
-        if len(args) == 1 and kwargs.get("targets") is None:
-            lengths.append(args[0].shape[1])
-            return (F.pad(args[0], (0, -args[0].shape[1] % multiple)),), kwargs
-
-    model.register_forward_pre_hook(pad, with_kwargs=True)
-    model.register_forward_hook(lambda module, args, out: gather(out)[:, :lengths.pop()] if out.dim() == 3 else None)
-    return model
-
-
 # What parallelize() splits in each block, by gpt.py's module names: the column-parallel linears by output rows
 # (weight and bias: for q, k and v a rank's own heads), the row-parallel ones by input columns (the weight; the bias
 # is added once, after the sum). Beside them the embedding (and the tied LM head) by vocabulary rows.
@@ -257,14 +258,14 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
     regions, rng = [model.lm_head], RNGStream(dropout_seed)
     model.rng_streams = {"tensor_parallel": rng}
     for block in model.blocks:
+        for name in COLUMN_PARALLEL + ROW_PARALLEL:
+            parent, _, child = name.rpartition(".")
+            linear = block.get_submodule(name)
+            if name in COLUMN_PARALLEL:
+                setattr(block.get_submodule(parent), child, ColumnParallelLinear(linear, group))
+            else:
+                setattr(block.get_submodule(parent), child, RowParallelLinear(linear, group, sequence_parallel))
         attn, mlp = block.attn, block.mlp
-        for name in COLUMN_PARALLEL:
-            parent, _, child = name.rpartition(".")
-            setattr(block.get_submodule(parent), child, ColumnParallelLinear(block.get_submodule(name), group))
-        for name in ROW_PARALLEL:
-            parent, _, child = name.rpartition(".")
-            linear = RowParallelLinear(block.get_submodule(name), group, sequence_parallel)
-            setattr(block.get_submodule(parent), child, linear)
         regions += [attn, mlp]
         if model.config.dropout:  # this rank's own heads draw from its own stream, from attention to the projection
             attn.register_forward_pre_hook(rng.swap)
@@ -277,8 +278,9 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
         module.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel),))
     # batch-first logits, as the loss flattens them: under sequence parallelism a [B, T, C] copy, not [B, T, V / tp]
     model.lm_head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(),))
-    tp = dist.get_world_size(group)
-    return sampling_hooks(model, tp if sequence_parallel else 1, gather if loss_parallel else nn.Identity())
+    if loss_parallel:  # generate() calls the model without targets and reads whole logits
+        model.register_forward_hook(lambda module, args, out: gather(out) if out.dim() == 3 else None)
+    return model
 
 
 def allreduce_replicated_grads(parts, group):
