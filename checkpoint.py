@@ -22,11 +22,13 @@ import torch.distributed as dist
 
 import training
 
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state beside each parameter, saved under "<moment>/<name>"
+
 
 class Part(NamedTuple):
-    """Which part of the full tensor `name` (of full `shape`) this rank holds, and where: elements [flat[0],
-    flat[1]) of the flattened full[box] sit in tensor.view(-1) from `start` on. A whole tensor has the full box and
-    flat range; a tensor-parallel slice narrows the box; an FSDP shard narrows the flat range; 2-D does both."""
+    """Which part of the full tensor `name` this rank holds, and where: elements [flat[0], flat[1]) of the flattened
+    full[box] sit in tensor.view(-1) from `start` on. A tensor-parallel slice narrows the box, an FSDP shard the
+    flat range, 2-D both."""
     name: str
     shape: tuple
     box: tuple
@@ -45,44 +47,37 @@ class Part(NamedTuple):
         return any(box != (0, n) for box, n in zip(self.box, self.shape))
 
 
-def whole_part(name, tensor, shape=None, box=None):
-    """The Part of a tensor this rank holds entirely: a whole parameter, or a tensor-parallel slice full[box]."""
-    shape = tuple(tensor.shape if shape is None else shape)
-    box = tuple((0, n) for n in shape) if box is None else tuple(box)
-    return Part(name, shape, box, (0, tensor.numel()), tensor)
-
-
 def parameter_parts(model):
-    """The Part of every parameter of a model whose modules may hold slices: a module lists its slices in a `boxes`
-    dict, parameter name -> (full shape, box) (train_tp.py's layers); any other parameter is whole. A tied parameter
-    is listed once, under its first name (wte.weight for the LM head)."""
+    """The Part of every parameter: whole, or a slice where its module says so in a `boxes` dict, parameter name ->
+    (full shape, box) (train_tp.py's layers). A tied parameter is listed once, under its first name."""
     parts = []
     for name, param in model.named_parameters():
         module_name, _, param_name = name.rpartition(".")
-        shape, box = getattr(model.get_submodule(module_name), "boxes", {}).get(param_name, (None, None))
-        parts.append(whole_part(name, param, shape, box))
+        boxes = getattr(model.get_submodule(module_name), "boxes", {})
+        shape, box = boxes.get(param_name, (param.shape, [(0, n) for n in param.shape]))
+        parts.append(Part(name, tuple(shape), tuple(box), (0, param.numel()), param))
     return parts
 
 
 def piece(shape, data, box=None, flat=None):
-    box = tuple((0, n) for n in shape) if box is None else tuple(box)
-    flat = (0, math.prod(b - a for a, b in box)) if flat is None else tuple(flat)
+    """What a checkpoint stores of a part: `data` is elements [flat[0], flat[1]) of the flattened full[box]."""
+    box = tuple(box or [(0, n) for n in shape])
+    flat = tuple(flat or (0, math.prod(stop - start for start, stop in box)))
     if data.numel() != flat[1] - flat[0]:
         raise ValueError(f"piece of {data.numel()} elements for flat range {flat}")
     # A copy, not a view: torch.save writes a view's whole storage, e.g. an entire FSDP flat buffer.
-    return {"shape": tuple(shape), "box": box, "flat": flat, "data": data.detach().reshape(-1).to("cpu", copy=True)}
+    data = data.detach().reshape(-1).to("cpu", copy=True)
+    return {"shape": tuple(shape), "box": box, "flat": flat, "data": data}
 
 
 def pieces(parts, optimizer):
     """The pieces a rank writes: its parameters' parts, and AdamW's moments over the same parts."""
     tensors = {}
     for part in parts:
-        tensors.setdefault(part.name, []).append(piece(part.shape, part.local(), part.box, part.flat))
         state = optimizer.state.get(part.tensor, {})
-        for moment in ("exp_avg", "exp_avg_sq"):
-            if moment in state:
-                moment_piece = piece(part.shape, part.local(state[moment]), part.box, part.flat)
-                tensors.setdefault(f"{moment}/{part.name}", []).append(moment_piece)
+        named = [(part.name, part.tensor)] + [(f"{m}/{part.name}", state[m]) for m in MOMENTS if m in state]
+        for name, tensor in named:
+            tensors.setdefault(name, []).append(piece(part.shape, part.local(tensor), part.box, part.flat))
     return tensors
 
 
@@ -236,7 +231,7 @@ def load(checkpoint, parts, optimizer, config):
     shapes = {part.name: part.shape for part in parts}
     with_moments = optimizer is not None and f"exp_avg/{parts[0].name}" in checkpoint.pieces
     if with_moments:
-        shapes.update({f"{m}/{name}": shape for name, shape in list(shapes.items()) for m in ("exp_avg", "exp_avg_sq")})
+        shapes.update({f"{m}/{name}": shape for name, shape in list(shapes.items()) for m in MOMENTS})
     checkpoint.check(config, shapes)
     moments = {}
     for part in parts:
@@ -244,7 +239,7 @@ def load(checkpoint, parts, optimizer, config):
         if with_moments:
             if part.tensor not in moments:
                 moments[part.tensor] = (torch.zeros_like(part.tensor), torch.zeros_like(part.tensor))
-            for buffer, moment in zip(moments[part.tensor], ("exp_avg", "exp_avg_sq")):
+            for buffer, moment in zip(moments[part.tensor], MOMENTS):
                 part.local(buffer).copy_(checkpoint.region(f"{moment}/{part.name}", part))
     if moments:
         # Through load_state_dict, so AdamW puts its step counter where its implementation (fused, foreach)

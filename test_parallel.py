@@ -9,10 +9,12 @@ several optimizer steps, in float32 on CPU, within reduction-order noise (TOLERA
 """
 
 import argparse
+import ast
 import contextlib
 import copy
 import gzip
 import importlib.util
+import io
 import json
 import math
 import multiprocessing
@@ -24,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import tokenize
 import traceback
 from datetime import timedelta
 from typing import NamedTuple
@@ -3276,3 +3279,142 @@ def test_sequence_parallel_collectives_copy_nothing():
     for copies in run_distributed(2, _residual_stream_copies, True):
         assert copies == ["clone.default"] * 2, copies
     assert run_distributed(2, _residual_stream_copies, False) == [[], []]  # without it: no copy either
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ---- #22 an afternoon: a copied script runs with the files the README names; what a reader must read is measured
+
+COPIED_WITH = {  # script -> the files beside it that its default run needs (README, "The files")
+    "train_single.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py"],
+    "train_ddp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py"],
+    "train_fsdp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py"],
+    "train_tp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py"],
+    "train_2d.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_tp.py", "train_fsdp.py"],
+}
+
+
+@launches_its_own_ranks
+@pytest.mark.parametrize("script", list(COPIED_WITH))
+def test_a_copied_script_runs_with_the_files_the_readme_names(tmp_path, script):
+    """The script and exactly the files the README names, alone in an empty folder, run its default run there (the
+    embedded corpus built on first use, a few steps, the sample): no import of anything else in this repository."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    for name in [script] + COPIED_WITH[script]:
+        shutil.copy(os.path.join(HERE, name), folder)
+    argv = ["--max_steps", "2", "--sample_tokens", "8", "--eval_iters", "1"]
+    ranks = 1 if script == "train_single.py" else 2
+    with launcher(tmp_path) as start:
+        launch = (start(script, *argv, via_torchrun=False, cwd=folder, PYTHONPATH="") if ranks == 1 else
+                  start(*standalone(ranks, script, argv), cwd=folder, PYTHONPATH=""))
+        code, output, _ = launch.wait()
+    assert code == 0 and "from scratch" in output and "sample:" in output, output[-3000:]
+    assert os.path.exists(folder / "data" / "default" / "meta.json") and os.path.exists(folder / "out")
+    assert sorted(name for name in os.listdir(folder) if name.endswith(".py")) == sorted([script] + COPIED_WITH[script])
+
+
+def test_the_readme_names_the_files_a_copied_script_needs():
+    """The README's sentence on copying a script names exactly COPIED_WITH's files, which the test above runs with."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        text = " ".join(f.read().split())
+    sentence = re.search(r"A copied script needs ([^.]*)\.", text)
+    assert sentence, "the README no longer says what a copied script needs"
+    named = set(re.findall(r"`(\w+\.py)`", sentence.group(1)))
+    assert named == {"train_2d.py"} | {name for files in COPIED_WITH.values() for name in files}, named
+
+
+READER_TOKEN_SKIP = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT,
+                     tokenize.ENDMARKER)
+
+
+def _top_level_definitions(module):
+    """{name: (first line, last line, node)} of a project module's top-level definitions, and its module-level imports
+    of project modules {alias: (module, name or None)}."""
+    source = open(os.path.join(HERE, f"{module}.py")).read()
+    definitions, imports = {}, {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            imports.update({a.asname or a.name: (a.name, None) for a in node.names if _is_project(a.name)})
+        elif isinstance(node, ast.ImportFrom) and _is_project(node.module):
+            imports.update({a.asname or a.name: (node.module, a.name) for a in node.names})
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)):
+            first = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
+            targets = [node.name] if hasattr(node, "name") else [
+                n.id for t in getattr(node, "targets", [getattr(node, "target", None)]) for n in ast.walk(t)
+                if isinstance(n, ast.Name)]
+            definitions.update({name: (first, node.end_lineno, node) for name in targets})
+    return definitions, imports, source.splitlines()
+
+
+def _is_project(module):
+    return module is not None and os.path.exists(os.path.join(HERE, f"{module}.py"))
+
+
+def reader_reach(script):
+    """What a reader of `script` must read: every top-level definition its main() reaches, transitively, through
+    module-level imports (torch_reference.py and prepare_data.py left out, as the issue measures it): {module:
+    (lines, tokens)}. A definition counts from its first decorator to its last line."""
+    left_out = {"torch_reference", "prepare_data"}
+    seen, todo, modules = set(), [(script, "main")], {}
+    while todo:
+        module, name = todo.pop()
+        if (module, name) in seen:
+            continue
+        seen.add((module, name))
+        modules.setdefault(module, _top_level_definitions(module))
+        definitions, imports, _ = modules[module]
+        for node in ast.walk(definitions[name][2]):
+            target = None
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imports:
+                if imports[node.value.id][1] is None:
+                    target = (imports[node.value.id][0], node.attr)
+            elif isinstance(node, ast.Name):
+                if node.id in definitions:
+                    target = (module, node.id)
+                elif node.id in imports and imports[node.id][1] is not None:
+                    target = imports[node.id]
+            if target and target[0] not in left_out:
+                modules.setdefault(target[0], _top_level_definitions(target[0]))
+                if target[1] in modules[target[0]][0]:
+                    todo.append(target)
+    reach = {}
+    for module, name in seen:
+        first, last, _ = modules[module][0][name]
+        text = "\n".join(modules[module][2][first - 1:last]) + "\n"
+        tokens = sum(t.type not in READER_TOKEN_SKIP for t in tokenize.generate_tokens(io.StringIO(text).readline))
+        lines, total = reach.get(module, (0, 0))
+        reach[module] = (lines + last - first + 1, total + tokens)
+    return reach
+
+
+def imported_at_module_level(module, found=None):
+    """The project modules `module` imports at module level, transitively (itself included)."""
+    found = set() if found is None else found
+    if module not in found:
+        found.add(module)
+        for imported, _ in _top_level_definitions(module)[1].values():
+            imported_at_module_level(imported, found)
+    return found
+
+
+def test_what_a_reader_must_read_is_small():
+    """The design card's afternoon, measured as issue #22 does: train_single.py reaches at most 8,200 Python tokens
+    (twice nanoGPT's model.py and train.py); every other script at most 800 lines outside the train_*.py files;
+    copying a script drags along at most 1,350 lines; each strategy core names no project module but gpt."""
+    for script in ["train_single", "train_ddp", "train_fsdp", "train_tp", "train_2d"]:
+        reach = reader_reach(script)
+        outside = sum(lines for module, (lines, _) in reach.items() if not module.startswith("train_"))
+        dragged = sorted(m for m in imported_at_module_level(script) if not m.startswith("train_"))
+        dragged_lines = sum(len(open(os.path.join(HERE, f"{m}.py")).read().splitlines()) for m in dragged)
+        print(f"{script}: reaches {sum(l for l, _ in reach.values())} lines, {sum(t for _, t in reach.values())} "
+              f"tokens; {outside} lines outside train_*.py; copying drags {dragged_lines} lines ({dragged})")
+        if script == "train_single":
+            assert sum(tokens for _, tokens in reach.values()) <= 8200, reach
+        else:
+            assert outside <= 800, reach
+        assert dragged_lines <= 1350, dragged
+    for script in ["train_ddp", "train_fsdp", "train_tp"]:
+        definitions, imports, _ = _top_level_definitions(script)
+        core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
+        named = {n.id for node in core for n in ast.walk(node) if isinstance(n, ast.Name)}
+        assert named & set(imports) <= {"gpt"}, (script, named & set(imports))

@@ -5,7 +5,6 @@ checkpointing wrapper, metrics and logging. No strategy code lives here: a strat
 """
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -113,9 +112,10 @@ def check_arguments(args, device):
     if args.attn == "flash" and (gpt.flash_attn_func is None or device.type != "cuda" or args.dtype != "bfloat16"):
         raise UsageError("--attn flash needs the flash-attn package (pip install flash-attn), CUDA and --dtype "
                          "bfloat16; use --attn sdpa otherwise")
-    for package in ("tensorboard", "wandb"):
-        if getattr(args, package) and importlib.util.find_spec(package) is None:
-            raise UsageError(f"--{package} needs the {package} package: pip install {package}")
+    if args.tensorboard or args.wandb:
+        import trackers  # only here: the optional trackers need their packages
+
+        trackers.check(args)
     check_sampling_flags(args)
 
 
@@ -467,7 +467,7 @@ def peak_memory_mb(device):
 
 class Logger:
     """Progress of a run: the console (rank 0, or every rank with --log_all_ranks) and, from rank 0,
-    <out_dir>/metrics.jsonl, with TensorBoard and Weights & Biases when asked for (optional packages)."""
+    <out_dir>/metrics.jsonl, and TensorBoard and Weights & Biases when asked for (trackers.py)."""
 
     def __init__(self, args, config, device, rank=0, world_size=1):
         self.args, self.device, self.world_size = args, device, world_size
@@ -479,19 +479,15 @@ class Logger:
         self.num_params = model.num_params()
         self.flops_per_token = gpt.flops_per_token(config, model.num_params(with_position_embedding=False))
         self.peak_flops = peak_flops(device)
-        self.tensorboard = self.wandb = None
+        self.trackers = None
         if not self.writes:
             return
         os.makedirs(args.out_dir, exist_ok=True)
         self.path = os.path.join(args.out_dir, "metrics.jsonl")
-        if args.tensorboard:  # check_arguments() made sure the optional packages are there
-            from torch.utils.tensorboard import SummaryWriter
+        if args.tensorboard or args.wandb:
+            import trackers
 
-            self.tensorboard = SummaryWriter(args.out_dir)
-        if args.wandb:
-            import wandb
-
-            self.wandb = wandb.init(project="gpt-parallel", config=vars(args), dir=args.out_dir)
+            self.trackers = trackers.Trackers(args)
 
     def print(self, text):
         if self.prints:
@@ -528,8 +524,5 @@ class Logger:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        for key, value in record.items():
-            if self.tensorboard and key != "step" and value is not None:
-                self.tensorboard.add_scalar(key, value, record["step"])
-        if self.wandb:
-            self.wandb.log(record, step=record["step"])
+        if self.trackers:
+            self.trackers.log(record)
