@@ -10,6 +10,7 @@ A piece is what a rank holds of a tensor (its Part, below), copied out. Loading 
 every piece and lets the loading layout take its own part.
 """
 
+import errno
 import math
 import os
 import re
@@ -81,6 +82,19 @@ def pieces(parts, optimizer):
     return tensors
 
 
+def check_finite(step, loss, grad_norm, args):
+    """Before the optimizer step: a gradient norm that is not finite (a loss that is not gives one) stops the run,
+    weights, AdamW and checkpoints as they were after the last finite step. The norm is reduced over every rank: all
+    stop at the same step."""
+    if torch.isfinite(grad_norm):
+        return
+    last = latest(args.out_dir)
+    resume = f"--resume continues from {last!r}" if last else "no checkpoint was saved before it"
+    raise training.Stopped(f"step {step}: the loss is {loss.item():.4g} and the gradient norm {grad_norm.item():.4g}: "
+                           "the run diverged, and stopped before this step changed anything; try a lower --lr, "
+                           f"--grad_clip 1.0, or --dtype float32 for a check; {resume}", training.DIVERGED_EXIT_CODE)
+
+
 def due(step, args):
     """Whether a checkpoint follows optimizer step `step`: every --ckpt_interval steps, and after the last."""
     return (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.max_steps
@@ -123,15 +137,42 @@ def publish(out_dir, step, world_size, meta, keep=0):
 
 
 def save(args, step, tensors, config, device, rank=0, world_size=1, streams=None):
-    """Every rank writes its pieces; once all have (a barrier), rank 0 publishes the checkpoint. streams: the
-    random streams a strategy keeps beside torch's generators (train_tp.py), saved with them."""
-    save_shard(args.out_dir, step, rank, tensors, rng_state(device, streams))
+    """Every rank writes its pieces; once all have, rank 0 publishes the checkpoint. A write that fails on any rank
+    (no space, no permission) is known to all before anything is published: the folder is removed, `latest` keeps
+    the previous checkpoint, and every rank stops with the failing rank's one line."""
+    folder = os.path.join(args.out_dir, f"ckpt-{step:07d}.tmp")
+    try:
+        error = None
+        save_shard(args.out_dir, step, rank, tensors, rng_state(device, streams))
+    except (OSError, RuntimeError) as caught:  # torch.save into a full disk raises a RuntimeError
+        error = write_error(caught, folder, tensors, rank)
+    except BaseException:  # Ctrl-C while writing: no half-written folder stays behind
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    errors = [error]
     if world_size > 1:
-        dist.barrier()
+        errors = [None] * world_size
+        dist.all_gather_object(errors, error)
+    if any(errors):
+        shutil.rmtree(folder, ignore_errors=True)
+        previous = latest(args.out_dir) or "nothing yet"
+        raise training.Stopped(f"{next(e for e in errors if e)}; nothing was published: `latest` still names "
+                               f"{previous}", 1)
     if rank == 0:
         publish(args.out_dir, step, world_size, {"config": asdict(config), "args": vars(args)}, args.keep_checkpoints)
     if world_size > 1:
         dist.barrier()  # nobody goes on (or exits) while `latest` may still name the previous checkpoint
+
+
+def write_error(error, folder, tensors, rank):
+    """One line for a failed write: what failed, where, and for a full disk the bytes needed and free."""
+    text = f"rank {rank} could not write its part of {folder}: {type(error).__name__}: {error}".splitlines()[0]
+    if getattr(error, "errno", None) == errno.ENOSPC or "iostream error" in str(error) or "unexpected pos" in str(error):
+        needed = sum(p["data"].numel() * p["data"].element_size() for pieces in tensors.values() for p in pieces)
+        free = shutil.disk_usage(os.path.dirname(folder)).free
+        text = (f"rank {rank} could not write its part of {folder}: no space left on the device (it needs "
+                f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free); free some space or pass another --out_dir")
+    return text
 
 
 def latest(out_dir):
@@ -174,6 +215,15 @@ def to_resume(args):
     return path
 
 
+def older_advice(path):
+    """What to do about a broken checkpoint: point `latest` at the newest one before it, if there is one."""
+    out_dir, name = os.path.split(path)
+    older = sorted(n for n in os.listdir(out_dir) if re.fullmatch(r"ckpt-\d{7}", n) and n < name)
+    if not older:
+        return f"delete {path!r} to start afresh"
+    return f"point `latest` at the one before it (echo {older[-1]} > {os.path.join(out_dir, 'latest')}) or delete it"
+
+
 class Checkpoint:
     """A checkpoint folder opened for reading. Files are memory-mapped: a full tensor is assembled only
     when asked for, one at a time, so loading never holds the whole model at once."""
@@ -184,8 +234,8 @@ class Checkpoint:
             self.shards = [torch.load(os.path.join(path, name), map_location="cpu", weights_only=True, mmap=True)
                            for name in self.meta["files"]]
         except Exception as error:
-            raise RuntimeError(f"checkpoint {path!r} is unreadable ({type(error).__name__}: {error}); "
-                               "delete it or point `latest` at an older one") from error
+            reason = f"{type(error).__name__}: {error}".splitlines()[0]
+            raise training.UsageError(f"checkpoint {path!r} is unreadable ({reason}); {older_advice(path)}") from None
         self.path = path
         self.pieces = {}
         for shard in self.shards:

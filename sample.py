@@ -51,4 +51,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    training.run(main)

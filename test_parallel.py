@@ -12,6 +12,7 @@ import argparse
 import ast
 import contextlib
 import copy
+import errno
 import gzip
 import importlib.util
 import io
@@ -942,7 +943,7 @@ def test_truncated_checkpoint_is_refused(corpus, tmp_path):
     rank_file = os.path.join(checkpoint.latest(str(tmp_path)), "rank00000.pt")
     with open(rank_file, "r+b") as f:
         f.truncate(os.path.getsize(rank_file) // 2)
-    with pytest.raises(RuntimeError, match="unreadable"):
+    with pytest.raises(training.UsageError, match="unreadable"):
         train_single.main(flags(corpus, tmp_path, max_steps=4, resume=True))
 
 
@@ -3418,3 +3419,4 @@ def test_what_a_reader_must_read_is_small():
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
         named = {n.id for node in core for n in ast.walk(node) if isinstance(n, ast.Name)}
         assert named & set(imports) <= {"gpt"}, (script, named & set(imports))
+

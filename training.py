@@ -137,28 +137,61 @@ USAGE_EXIT_CODE = 2  # argparse's, for every mistake in how a script is called
 OTHER_RANKS_WAIT_S = 10  # after a UsageError, how long a rank other than 0 waits for torchrun to end it
 
 
+class Stopped(Exception):
+    """The run stops on purpose, at the same step on every rank (diverged, preempted, a checkpoint it could not
+    write): run() prints the message as one line and exits with `code`."""
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+DIVERGED_EXIT_CODE = 3
+PREEMPTED_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: stopped on request, saved; the same command with --resume goes on
+INTERRUPTED_EXIT_CODE = 130  # the shell's for Ctrl-C (128 + SIGINT)
+
+
 def run(main):
     """Every script's entry point. A crash keeps its traceback, which @record hands to torchrun's summary. A
-    UsageError is one line, `error: <message>`, and exit code 2: every rank raises the same one, so rank 0 speaks for
-    all (in torchrun's summary too) while the others wait for torchrun to end them."""
+    UsageError or a Stopped is one line, `error: <message>`: every rank raises the same one, so rank 0 speaks for
+    all (in torchrun's summary too) while the others wait for torchrun to end them. Ctrl-C is one line too."""
+    interrupted = []
+
+    def interrupt(number, frame):
+        interrupted.append(number)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun sends another: let this one unwind undisturbed
+        raise KeyboardInterrupt
 
     @record
     def entry_point():
+        signal.signal(signal.SIGINT, interrupt)
         try:
             main()
-        except UsageError as error:
-            if launched_rank()[0] != 0:
-                signal.signal(signal.SIGTERM, lambda *_: os._exit(USAGE_EXIT_CODE))
-                time.sleep(OTHER_RANKS_WAIT_S)  # a rank still running after this failed alone: it says why itself
-            line = f"error: {error}"
-            print(line, file=sys.stderr)
-            if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary shows it as this rank's failure
-                info = {"py_callstack": line, "timestamp": str(int(time.time()))}
-                with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                    json.dump({"message": {"message": line, "extraInfo": info}}, f)
-            sys.exit(USAGE_EXIT_CODE)
+        except (UsageError, Stopped) as error:
+            say_once(f"error: {error}", getattr(error, "code", USAGE_EXIT_CODE))
+        except BaseException:
+            if not interrupted:
+                raise
+            # A rank that Ctrl-C stopped, or one whose peer it stopped (a collective lost its peer): no traceback.
+            if launched_rank()[0] == 0:
+                print("interrupted (Ctrl-C): nothing was saved since the latest checkpoint, which --resume continues",
+                      file=sys.stderr)
+            sys.exit(INTERRUPTED_EXIT_CODE)
 
     entry_point()
+
+
+def say_once(line, code):
+    """Print `line` from rank 0 (the others wait for torchrun to end them, then exit quietly) and exit with code."""
+    if launched_rank()[0] != 0:
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+        time.sleep(OTHER_RANKS_WAIT_S)  # a rank still running after this failed alone: it says why itself
+    print(line, file=sys.stderr)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary shows it as this rank's failure
+        info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": info}}, f)
+    sys.exit(code)
 
 
 def launched_rank(args=None):
@@ -237,6 +270,31 @@ def check_fingerprints(fingerprints):
                           if ours.get(key) != theirs.get(key))
         raise UsageError(f"ranks {differ} run other arguments than rank 0 (rank 0 vs rank {differ[0]}: {flags}); "
                          "launch every rank with the same files and flags")
+
+
+class StopRequest:
+    """SIGTERM, or SIGUSR1 (Slurm's --signal, ahead of the time limit), asks the run to stop after the step it is in:
+    the ranks agree on that step (one all-reduce a step), save it, and exit with PREEMPTED_EXIT_CODE."""
+
+    def __init__(self):
+        self.received = None
+        for number in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(number, self.receive)
+
+    def receive(self, number, frame):
+        self.received = signal.Signals(number).name
+
+    def agreed(self, device):
+        """Whether any rank has received one: the same answer on every rank."""
+        received = torch.tensor(float(self.received is not None), device=device)
+        if dist.is_initialized():
+            dist.all_reduce(received, op=dist.ReduceOp.MAX)
+        return received.item() > 0
+
+    def stop(self, step, out_dir):
+        signal_name = self.received or "a signal to another rank"
+        raise Stopped(f"stopped on request ({signal_name}) after step {step}, saved in {out_dir!r}: the same command "
+                      "with --resume goes on from there", PREEMPTED_EXIT_CODE)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -512,17 +570,21 @@ class Logger:
         step_s = time.perf_counter() - t0
         tokens_per_s = self.args.global_batch * self.args.block_size / step_s
         mfu = self.flops_per_token * tokens_per_s / (self.world_size * self.peak_flops) if self.peak_flops else None
+        memory = peak_memory_mb(self.device)
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
-                  "mfu": mfu, "peak_mem_mb": peak_memory_mb(self.device), "step_ms": 1000 * step_s}
+                  "mfu": mfu, "peak_mem_mb": memory, "step_ms": 1000 * step_s}
         if val_loss is not None:
             record["val_loss"] = val_loss
         mfu = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
         self.print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
-                   f"{tokens_per_s:,.0f} tok/s | mfu {mfu} | mem {record['peak_mem_mb']:,.0f} MB | "
-                   f"{record['step_ms']:.0f} ms" + (f" | val loss {val_loss:.4f}" if val_loss is not None else ""))
+                   f"{tokens_per_s:,.0f} tok/s | mfu {mfu} | mem {memory:,.0f} MB | {1000 * step_s:.0f} ms"
+                   + (f" | val loss {val_loss:.4f}" if val_loss is not None else ""))
         if not self.writes:
             return
+        # Strict JSON: a value that is not finite is null (json.dumps would write NaN, which jq and JSON.parse refuse)
+        record = {key: None if isinstance(value, float) and not math.isfinite(value) else value
+                  for key, value in record.items()}
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.trackers:
             self.trackers.log(record)
