@@ -12,34 +12,19 @@ meta.json is written last: its presence means the folder is complete.
 """
 
 import argparse
-import itertools
+import functools
 import json
 import math
-import multiprocessing
 import os
-import socket
 import sys
 import sysconfig
-import tempfile
 import time
-import urllib.request
 
 import numpy as np
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA_DIR = os.path.join(HERE, "data", "default")  # the embedded corpus, built on first use
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-HF_DATASETS = {
-    "openwebtext": dict(path="Skylion007/openwebtext"),
-    "fineweb-edu": dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT"),
-}
-ROW_LINES = 64  # lines of --input text a row: one a row makes millions of rows, and datasets is slow per row
-WRITE_BATCH_ROWS = 10_000  # rows of tokens per write
-SKIPPED_SHOWN = 5  # skipped files named in the message
-OFFLINE_OPTIONS = ("offline you can run `python prepare_data.py` (the embedded default corpus) "
-                   "or `python prepare_data.py --input PATH --tokenizer byte` on local text files (gpt2's BPE "
-                   "files are a download too)")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -143,8 +128,10 @@ def get_tokenizer(name):
 # Token files
 
 
-def write_split(path, chunks):
-    """Stream uint16 token arrays into one file, under a temporary name until complete; returns the token count."""
+def write_split(out_dir, split, chunks):
+    """Stream uint16 token arrays into out_dir/<split>.bin, under a temporary name until complete: the token count."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{split}.bin")
     count = 0
     with open(path + ".tmp", "wb") as f:
         for chunk in chunks:
@@ -165,8 +152,7 @@ def write_meta(out_dir, tokenizer, counts, source):
 
 def write_arrays(out_dir, tokenizer, splits, source):
     """splits: {"train": [uint16 arrays], "val": [...]}, small enough to hold in memory."""
-    os.makedirs(out_dir, exist_ok=True)
-    counts = {split: write_split(os.path.join(out_dir, f"{split}.bin"), arrays) for split, arrays in splits.items()}
+    counts = {split: write_split(out_dir, split, arrays) for split, arrays in splits.items()}
     return write_meta(out_dir, tokenizer, counts, source)
 
 
@@ -211,114 +197,6 @@ def ensure_data(data_dir, is_writer, wait_s=600):
     return load_meta(data_dir)
 
 
-def check_network(host):
-    """Fail at once, naming the offline options, instead of letting a download library retry for minutes."""
-    try:
-        socket.create_connection((host, 443), timeout=5).close()
-    except OSError as error:
-        raise UsageError(f"cannot reach {host} ({error}); {OFFLINE_OPTIONS}")
-
-
-def prepare_shakespeare(out_dir, tokenizer):
-    with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as response:
-        text = response.read().decode("utf-8")
-    cut = int(0.9 * len(text))
-    splits = {split: [np.array(tokenizer.encode(part), dtype=np.uint16)]
-              for split, part in (("train", text[:cut]), ("val", text[cut:]))}
-    return write_arrays(out_dir, tokenizer, splits, "tiny-shakespeare")
-
-
-def tokenize_dataset(dataset, tokenizer, num_proc, out_dir, source, val_fraction):
-    """A datasets.Dataset with a "text" column -> token files, tokenized in num_proc processes and written
-    in batches, so corpora larger than memory (OpenWebText: ~9B gpt2 tokens) stream through."""
-    import datasets
-    import pyarrow.compute as pc
-    from tqdm import tqdm
-
-    if len(dataset) < 2:
-        raise UsageError(f"{source}: {len(dataset)} row of text, too little to hold out a validation split")
-    # The last rows are the validation split: rows stay in order (no shuffle, which makes every later read a
-    # random access), so a row's neighbours in train.bin are its neighbours in the text.
-    split = dataset.train_test_split(test_size=val_fraction, shuffle=False)
-    end = [] if tokenizer.eot is None else [tokenizer.eot]
-
-    def encode(batch):
-        if isinstance(tokenizer, ByteTokenizer):  # an array straight from the bytes: 9x faster than a list of ints
-            return {"ids": [np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint16) for text in batch["text"]]}
-        return {"ids": [tokenizer.encode(text) + end for text in batch["text"]]}
-
-    # uint16 in the Arrow files already: each written batch is then one flat buffer of token ids, no Python loop.
-    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("uint16"))})
-    os.makedirs(out_dir, exist_ok=True)
-    counts = {}
-    for name, part in (("train", split["train"]), ("val", split["test"])):
-        part = part.map(encode, batched=True, features=features, remove_columns=part.column_names,
-                        num_proc=min(num_proc, len(part)), desc=f"tokenizing {name}")
-        batches = part.with_format("arrow").iter(batch_size=WRITE_BATCH_ROWS)
-        chunks = (pc.list_flatten(batch["ids"]).to_numpy() for batch in
-                  tqdm(batches, total=-(-len(part) // WRITE_BATCH_ROWS), desc=f"writing {name}.bin"))
-        counts[name] = write_split(os.path.join(out_dir, f"{name}.bin"), chunks)
-    return write_meta(out_dir, tokenizer, counts, source)
-
-
-def prepare_hub(name, out_dir, tokenizer, num_proc, val_fraction):
-    import datasets
-
-    dataset = datasets.load_dataset(**HF_DATASETS[name], split="train", num_proc=num_proc)
-    return tokenize_dataset(dataset, tokenizer, num_proc, out_dir, name, val_fraction)
-
-
-def not_text(path):
-    """Why --input skips this file (a broken link, binary, not UTF-8, unreadable), or None for a text file."""
-    if not os.path.isfile(path):
-        return "broken link" if os.path.islink(path) else "not a regular file"
-    try:
-        with open(path, encoding="utf-8") as f:
-            while block := f.read(1 << 20):
-                if "\0" in block:
-                    return "binary"
-    except UnicodeDecodeError:
-        return "not UTF-8 text"
-    except OSError as error:
-        return f"unreadable: {error.strerror}"
-    return None
-
-
-def read_rows(files):
-    """The files' text, in order, in rows of up to ROW_LINES whole lines: the token stream is the files' text."""
-    for path in files:
-        with open(path, encoding="utf-8") as f:
-            while row := "".join(itertools.islice(f, ROW_LINES)):
-                yield {"text": row}
-
-
-def prepare_local(path, out_dir, tokenizer, num_proc, val_fraction):
-    """A text file, or a folder of them (every file below it); files that are not UTF-8 text are skipped, and
-    named. The rows are cached in a temporary folder inside out_dir, deleted at the end."""
-    import datasets
-
-    if os.path.isdir(path):
-        files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        raise UsageError(f"--input {path!r}: no such file or folder")
-    with multiprocessing.Pool(num_proc) as pool:
-        reasons = dict(zip(files, pool.map(not_text, files, chunksize=16)))
-    skipped = [f"{name} ({why})" for name, why in reasons.items() if why]
-    if skipped:
-        print(f"--input: skipping {len(skipped)} of {len(files)} files, not readable as text: "
-              + ", ".join(skipped[:SKIPPED_SHOWN]) + (", ..." if len(skipped) > SKIPPED_SHOWN else ""))
-    texts = [name for name, why in reasons.items() if not why]
-    if not texts:
-        raise UsageError(f"--input {path!r}: no file readable as UTF-8 text in it" + (" (it is empty)" * (not files)))
-    os.makedirs(out_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".cache-", dir=out_dir) as cache:
-        dataset = datasets.Dataset.from_generator(read_rows, gen_kwargs={"files": texts}, cache_dir=cache,
-                                                  num_proc=min(num_proc, len(texts)))
-        return tokenize_dataset(dataset, tokenizer, num_proc, out_dir, os.path.abspath(path), val_fraction)
-
-
 def main(argv=None):
     p = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--dataset", choices=["default", "shakespeare", "openwebtext", "fineweb-edu"], default="default",
@@ -338,15 +216,17 @@ def main(argv=None):
         if args.tokenizer not in (None, "byte"):
             raise UsageError("the embedded default corpus uses the byte tokenizer; pass --input for gpt2 on local text")
         return prepare_default(out_dir)
-    if not args.input:
-        check_network("raw.githubusercontent.com" if name == "shakespeare" else "huggingface.co")
-    tokenizer = get_tokenizer(args.tokenizer or "gpt2")
-    if args.input:
-        meta = prepare_local(args.input, out_dir, tokenizer, args.num_proc, args.val_fraction)
-    elif name == "shakespeare":
-        meta = prepare_shakespeare(out_dir, tokenizer)
-    else:
-        meta = prepare_hub(name, out_dir, tokenizer, args.num_proc, args.val_fraction)
+    import corpora  # only for these corpora: they need the network, or `datasets`
+
+    try:
+        if not args.input:
+            corpora.check_network("raw.githubusercontent.com" if name == "shakespeare" else "huggingface.co")
+        tokenizer = get_tokenizer(args.tokenizer or "gpt2")
+        write = functools.partial(write_split, out_dir)  # corpora.py streams each split's tokens through it
+        source, counts = corpora.prepare(name, args.input, tokenizer, args.num_proc, args.val_fraction, out_dir, write)
+    except ValueError as error:  # a bad input: one line, as every usage error
+        raise UsageError(str(error)) from None
+    meta = write_meta(out_dir, tokenizer, counts, source)
     print(f"{name}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens ({tokenizer.name}) -> {out_dir}")
     return meta
 
