@@ -137,16 +137,29 @@ def publish(out_dir, step, world_size, meta, keep=0):
 
 
 def save(args, step, tensors, config, device, rank=0, world_size=1, streams=None):
-    """Every rank writes its pieces; once all have, rank 0 publishes the checkpoint. A write that fails on any rank
-    (no space, no permission) is known to all before anything is published: the folder is removed, `latest` keeps
-    the previous checkpoint, and every rank stops with the failing rank's one line."""
+    """Every rank writes its pieces, then rank 0 publishes the checkpoint. The ranks agree after each phase: a write
+    that fails anywhere (no space, no permission) publishes nothing, removes the folder and stops every rank."""
     folder = os.path.join(args.out_dir, f"ckpt-{step:07d}.tmp")
+    write_everywhere(lambda: save_shard(args.out_dir, step, rank, tensors, rng_state(device, streams)),
+                     folder, tensors, rank, world_size)
+
+    def publish_on_rank_0():
+        if rank == 0:
+            publish(args.out_dir, step, world_size, {"config": asdict(config), "args": vars(args)},
+                    args.keep_checkpoints)
+
+    write_everywhere(publish_on_rank_0, folder, {}, rank, world_size)  # nobody goes on before `latest` moved
+
+
+def write_everywhere(write, folder, tensors, rank, world_size):
+    """write() on every rank, then agree (one all-gather) on whether every rank's succeeded; if not, remove the
+    unpublished folder and stop every rank with the first failure's one line."""
+    error = None
     try:
-        error = None
-        save_shard(args.out_dir, step, rank, tensors, rng_state(device, streams))
+        write()
     except (OSError, RuntimeError) as caught:  # torch.save into a full disk raises a RuntimeError
         error = write_error(caught, folder, tensors, rank)
-    except BaseException:  # Ctrl-C while writing: no half-written folder stays behind
+    except BaseException:  # Ctrl-C, a crash: no half-written folder stays behind
         shutil.rmtree(folder, ignore_errors=True)
         raise
     errors = [error]
@@ -155,24 +168,20 @@ def save(args, step, tensors, config, device, rank=0, world_size=1, streams=None
         dist.all_gather_object(errors, error)
     if any(errors):
         shutil.rmtree(folder, ignore_errors=True)
-        previous = latest(args.out_dir) or "nothing yet"
-        raise training.Stopped(f"{next(e for e in errors if e)}; nothing was published: `latest` still names "
-                               f"{previous}", 1)
-    if rank == 0:
-        publish(args.out_dir, step, world_size, {"config": asdict(config), "args": vars(args)}, args.keep_checkpoints)
-    if world_size > 1:
-        dist.barrier()  # nobody goes on (or exits) while `latest` may still name the previous checkpoint
+        previous = latest(os.path.dirname(folder)) or "none yet"
+        raise training.Stopped(f"{next(e for e in errors if e)}; `latest` still names the previous checkpoint "
+                               f"({previous})", 1)
 
 
 def write_error(error, folder, tensors, rank):
-    """One line for a failed write: what failed, where, and for a full disk the bytes needed and free."""
-    text = f"rank {rank} could not write its part of {folder}: {type(error).__name__}: {error}".splitlines()[0]
-    if getattr(error, "errno", None) == errno.ENOSPC or "iostream error" in str(error) or "unexpected pos" in str(error):
+    """One line for a failed write: what failed and where; for a full disk, the bytes needed and free."""
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    if getattr(error, "errno", None) == errno.ENOSPC or "iostream error" in text or "unexpected pos" in text:
         needed = sum(p["data"].numel() * p["data"].element_size() for pieces in tensors.values() for p in pieces)
         free = shutil.disk_usage(os.path.dirname(folder)).free
-        text = (f"rank {rank} could not write its part of {folder}: no space left on the device (it needs "
-                f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free); free some space or pass another --out_dir")
-    return text
+        text = (f"no space left on the device (this rank's part needs {needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB "
+                "are free): free some space or pass another --out_dir")
+    return f"rank {rank} could not write its part of {folder}: {text}"
 
 
 def latest(out_dir):

@@ -177,6 +177,7 @@ def main(argv=None):
     logger.start(train_data, dp_size, start_step)
 
     # ---- loop
+    stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
     for step in range(start_step, args.max_steps):
         val_loss = training.evaluate(step, args, forward, val_data, autocast, dist.group.WORLD)
         t0 = time.perf_counter()
@@ -191,6 +192,7 @@ def main(argv=None):
                 loss.backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients are views into the all-reduce buckets
 
@@ -199,9 +201,12 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every replica holds everything, so rank 0 alone writes the tensors
-        if checkpoint.due(step, args):
+        stopping = stop_request.agreed(device)  # the same answer on every rank
+        if checkpoint.due(step, args) or stopping:
             tensors = checkpoint.pieces(parts if rank == 0 else [], optimizer)
             checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
+        if stopping:
+            stop_request.stop(step + 1, args.out_dir)
 
     training.sample(model, meta, args, device, autocast, show=rank == 0)
     if owns_group:

@@ -50,6 +50,7 @@ def main(argv=None):
     logger.start(train_data, dp_size, start_step)
 
     # ---- loop
+    stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
     for step in range(start_step, args.max_steps):
         val_loss = training.evaluate(step, args, forward, val_data, autocast)
         t0 = time.perf_counter()
@@ -62,6 +63,7 @@ def main(argv=None):
             loss.backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -69,8 +71,11 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint
-        if checkpoint.due(step, args):
+        stopping = stop_request.agreed(device)  # the same answer on every rank
+        if checkpoint.due(step, args) or stopping:
             checkpoint.save(args, step + 1, checkpoint.pieces(parts, optimizer), config, device)
+        if stopping:
+            stop_request.stop(step + 1, args.out_dir)
 
     training.sample(model, meta, args, device, autocast, show=True)
 

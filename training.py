@@ -106,7 +106,7 @@ def check_sampling_flags(args):
 
 
 def check_arguments(args, device):
-    """What the flags' types cannot check alone; before anything is created."""
+    """What the flags' types cannot check alone, before anything is created."""
     if args.min_lr > args.lr:
         raise UsageError(f"--min_lr {args.min_lr} is above --lr {args.lr}: the schedule decays from --lr to --min_lr")
     if args.attn == "flash" and (gpt.flash_attn_func is None or device.type != "cuda" or args.dtype != "bfloat16"):
@@ -195,14 +195,11 @@ def say_once(line, code):
 
 
 def launched_rank(args=None):
-    """(RANK, LOCAL_RANK, WORLD_SIZE) as torchrun sets them; a plain `python` start is rank 0 of 1. --plan plans
-    for --world_size ranks where given."""
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    """(RANK, LOCAL_RANK, WORLD_SIZE) as torchrun sets them (a plain `python` start: 0, 0, 1); --plan's --world_size."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if args is not None and args.plan and args.world_size:
         world_size = args.world_size
-    return rank, local_rank, world_size
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), world_size
 
 
 def get_device(args, local_rank=0):
@@ -236,39 +233,33 @@ def init_distributed(args, script, device):
         else:  # a plain `python train_X.py`: a world of one process, which needs no rendezvous
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    fingerprints = [None] * world_size
-    dist.all_gather_object(fingerprints, fingerprint(args, script))
-    check_fingerprints(fingerprints)
+    check_same_on_every_rank(args, script, world_size)
     env_rank, _, env_world = launched_rank()
     if (rank, world_size) != (env_rank, env_world):  # the samplers took their rows from the environment
         raise RuntimeError(f"RANK, WORLD_SIZE = {env_rank}, {env_world} but the process group has {rank}, {world_size}")
     return rank, world_size, owns_group
 
 
-def fingerprint(args, script):
-    """What must be equal on every rank: the arguments and the code (the script, this file, checkpoint.py, gpt.py).
-    A rank running stale code or other flags would otherwise desynchronise collectives and hang much later."""
+def check_same_on_every_rank(args, script, world_size):
+    """Every rank must run the same code (the script, this file, checkpoint.py, gpt.py) with the same flags: a stale
+    copy or other flags would desynchronise the collectives and hang much later. Refused on every rank alike."""
     code = hashlib.sha256()
     for name in (script, __file__, "checkpoint.py", gpt.__file__):
         with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), "rb") as f:
             code.update(f.read())
-    arguments = {k: v for k, v in sorted(vars(args).items()) if k != "log_all_ranks"}
-    return {"code": code.hexdigest()[:16], "args": json.dumps(arguments, sort_keys=True, default=str)}
-
-
-def check_fingerprints(fingerprints):
-    """Every rank's fingerprint(), all-gathered: raises on every rank alike, naming the ranks that differ from rank
-    0 and, for arguments, the flags that differ."""
-    differ = [rank for rank, f in enumerate(fingerprints) if f["code"] != fingerprints[0]["code"]]
+    flags = {key: str(value) for key, value in vars(args).items() if key != "log_all_ranks"}
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (code.hexdigest(), flags))
+    differ = [rank for rank, (other, _) in enumerate(everyone) if other != everyone[0][0]]
     if differ:
         raise UsageError(f"ranks {differ} run other code (script, training.py, checkpoint.py or gpt.py) than rank 0; "
                          "launch every rank with the same files and flags")
-    differ = [rank for rank, f in enumerate(fingerprints) if f["args"] != fingerprints[0]["args"]]
+    differ = [rank for rank, (_, other) in enumerate(everyone) if other != everyone[0][1]]
     if differ:
-        ours, theirs = json.loads(fingerprints[0]["args"]), json.loads(fingerprints[differ[0]]["args"])
-        flags = ", ".join(f"--{key} {ours.get(key)} vs {theirs.get(key)}" for key in sorted(ours.keys() | theirs.keys())
-                          if ours.get(key) != theirs.get(key))
-        raise UsageError(f"ranks {differ} run other arguments than rank 0 (rank 0 vs rank {differ[0]}: {flags}); "
+        ours, theirs = everyone[0][1], everyone[differ[0]][1]
+        changed = ", ".join(f"--{key} {ours.get(key)} vs {theirs.get(key)}" for key in sorted(ours.keys() | theirs.keys())
+                            if ours.get(key) != theirs.get(key))
+        raise UsageError(f"ranks {differ} run other arguments than rank 0 (rank 0 vs rank {differ[0]}: {changed}); "
                          "launch every rank with the same files and flags")
 
 
