@@ -3651,3 +3651,218 @@ def test_a_broken_checkpoint_is_one_line_naming_the_one_before(corpus, tmp_path)
     ours = [line for line in output.splitlines() if line.startswith("error: ")]
     assert code != 0 and len(ours) == 1 and "ckpt-0000004" in ours[0] and "unreadable" in ours[0], output[-3000:]
     assert "echo ckpt-0000002 >" in ours[0] and "Traceback" not in output, output[-3000:]
+
+# ---- pipeline parallel (train_pp.py)
+
+import train_pp  # noqa: E402
+
+
+def _train_pipeline(argv):
+    """train_pp.main on this rank; returns (the final wte.weight of this rank's stage, None where it holds none; the
+    tokens of the sample)."""
+    kept = {}
+    real_sample, real_generate = training.sample, gpt.generate
+
+    def sample(model, *args, **kwargs):
+        kept.update(model.named_parameters())  # the pipeline's: stage.[module.]model.<gpt.py name>
+        real_sample(model, *args, **kwargs)
+
+    def generate(*args, **kwargs):
+        kept["tokens"] = real_generate(*args, **kwargs)
+        return kept["tokens"]
+
+    training.sample, gpt.generate = sample, generate
+    try:
+        train_pp.main(argv)
+    finally:
+        training.sample, gpt.generate = real_sample, real_generate  # a launched world runs in the test process
+    wte = next((param for name, param in kept.items() if name.endswith("model.wte.weight")), None)
+    return (None if wte is None else wte.detach().numpy().copy(),
+            kept["tokens"].numpy() if "tokens" in kept else None)
+
+
+_pp_runs = {}
+PP_SAMPLE_TOKENS = 20
+
+
+def pp_run(corpus, tmp_path_factory, world_size, **overrides):
+    """train_pp.py on world_size ranks, once per distinct flags per session, with a short sample at the end:
+    (read_run's result, each rank's (wte.weight or None, sample tokens))."""
+    key = (world_size, tuple(sorted(overrides.items())))
+    if key not in _pp_runs:
+        out_dir = shared_folder(tmp_path_factory, "pp")
+        argv = flags(corpus, out_dir, **dict(dict(sample_tokens=PP_SAMPLE_TOKENS), **overrides))
+        ranks = run_distributed(world_size, _train_pipeline, argv)
+        _pp_runs[key] = read_run(str(out_dir)), ranks
+    return _pp_runs[key]
+
+
+def single_sample(run):
+    """The tokens gpt.generate samples on one device from a run's final weights, as flags() and pp_run set it up."""
+    model = gpt.GPT(gpt.make_config("tiny", vocab_size=256, block_size=32))
+    model.init_weights(0, lambda name, shape: torch.from_numpy(run.weights[name]))
+    prompt = torch.tensor([training.ByteTokenizer().encode("\n")])
+    return gpt.generate(model, prompt, PP_SAMPLE_TOKENS, 32, 256, temperature=0.8, top_k=40, seed=1234).numpy()
+
+
+PP_LAYOUTS = [  # ranks, flags: accumulation 16 / (micro batch 2 x dp) = 8 or 4 micro-batches a step
+    (2, dict(pp=2, schedule="gpipe")),
+    (2, dict(pp=2, schedule="1f1b")),
+    (4, dict(pp=4, schedule="1f1b")),  # the tiny model's 4 layers: one block a stage
+    (4, dict(pp=2, dp=2, schedule="1f1b")),
+    (3, dict(pp=3, schedule="1f1b")),  # 4 layers do not split evenly: blocks [2, 1, 1]
+    (2, dict(pp=2, schedule="gpipe", impl="torch")),
+    (4, dict(pp=2, dp=2, schedule="1f1b", impl="torch")),
+    (4, dict(pp=4, schedule="gpipe", impl="torch")),
+]
+
+
+@pytest.mark.parametrize("world_size, overrides", PP_LAYOUTS, ids=lambda value: "-".join(
+    f"{key} {flag}" for key, flag in value.items()) if isinstance(value, dict) else f"{value} ranks")
+def test_pipeline_matches_single(corpus, tmp_path_factory, world_size, overrides):
+    """Ours and torch.distributed.pipelining's, both schedules, 2 to 4 stages, replicated or not: losses, grad norms
+    (clipping on: each stage's squared norm summed, the tied weight counted once), validation losses through the
+    pipeline and the weights after 6 steps equal train_single's. The tied weight's two copies, on the first and the
+    last stage, end bit-identical; the sample after training, run through the pipeline on every rank, is the one
+    a single device draws from single's final weights."""
+    run, ranks = pp_run(corpus, tmp_path_factory, world_size, **overrides)
+    reference = single_run(corpus, tmp_path_factory)
+    assert_runs_match(run, reference)
+    pp, dp = overrides["pp"], overrides.get("dp", 1)
+    for replica in range(dp):
+        first, last = ranks[replica][0], ranks[(pp - 1) * dp + replica][0]
+        assert np.array_equal(first, last), "the tied weight's copies drifted apart"
+    assert [wte is None for wte, _ in ranks] == [not (rank < dp or rank >= (pp - 1) * dp) for rank in range(pp * dp)]
+    expected = single_sample(reference)
+    for _, tokens in ranks:
+        np.testing.assert_array_equal(tokens, expected)
+
+
+def _pipeline_gradients(schedule, num_micro_batches):
+    """One step of train_pp's core alone (torch and gpt.py, no training.py) on a 2-stage pipeline: this rank's
+    gradients by name, after the tied-gradient sum, and the mean loss on the last stage."""
+    config = gpt.make_config("tiny", vocab_size=256, block_size=16)
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    stage = train_pp.Stage(model, dist.get_rank(), dist.get_world_size())
+    stage.init_weights(torch.device("cpu"), lambda name, shape: gpt.initial_value(name, shape, config, seed=7))
+    pipeline = train_pp.PipelineParallel(stage, dist.group.WORLD, config)
+    tokens = torch.randint(0, 256, (num_micro_batches, 2, 17), generator=torch.Generator().manual_seed(3))
+    loss = pipeline.step(schedule, [(batch[:, :-1], batch[:, 1:]) for batch in tokens])
+    gradients = {name: param.grad.numpy().copy() for name, param in model.named_parameters()}
+    train_pp.sum_tied_gradients(stage, dist.new_group([0, 1]))
+    summed = {name: param.grad.numpy().copy() for name, param in model.named_parameters()}
+    return gradients, summed, loss.item()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_gradients_are_single_devices_and_the_tied_ones_summed(schedule):
+    """Both ends of the pipeline hold wte.weight; before the sum each holds the gradient of its own use only
+    (the embedding's, the LM head's), which differs from one device's, and after it the whole gradient. Every other
+    gradient is one device's as the schedule leaves it, and so is the loss: the core computes the math."""
+    ranks = run_distributed(2, _pipeline_gradients, schedule, 4)
+    config = gpt.make_config("tiny", vocab_size=256, block_size=16)
+    model = gpt.GPT(config)
+    model.init_weights(7)
+    tokens = torch.randint(0, 256, (4, 2, 17), generator=torch.Generator().manual_seed(3))
+    loss = sum(model(batch[:, :-1], batch[:, 1:]) / 4 for batch in tokens)
+    loss.backward()
+    np.testing.assert_allclose(ranks[1][2], loss.item(), rtol=TOLERANCE)
+    assert ranks[0][2] == 0
+    for name, param in model.named_parameters():
+        holders = [rank for rank in range(2) if name in ranks[rank][1]]
+        assert holders == ([0, 1] if name == "wte.weight" else [int(name.startswith(("ln_f", "blocks.2", "blocks.3")))])
+        for rank in holders:
+            np.testing.assert_allclose(ranks[rank][1][name], param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+    unsummed = [ranks[rank][0]["wte.weight"] for rank in range(2)]
+    for part in unsummed:
+        assert np.abs(part - model.wte.weight.grad.numpy()).max() > 1e-3  # the sum is needed
+    np.testing.assert_allclose(unsummed[0] + unsummed[1], model.wte.weight.grad.numpy(), rtol=1e-4, atol=1e-7)
+
+
+@launches_its_own_ranks
+def test_pipeline_resumes_from_and_into_other_layouts(corpus, tmp_path, tmp_path_factory):
+    """Saved at step 3 by 2 stages x 2 replicas (each stage's first replica writes its blocks, the first stage the
+    tied weight), resumed by train_single.py; saved by train_fsdp.py's flat shards, resumed by 4 stages: both whole
+    runs equal train_single's uninterrupted 6 steps."""
+    reference = single_run(corpus, tmp_path_factory)
+    pipelined, sharded = tmp_path / "pipelined", tmp_path / "sharded"
+    argv = flags(corpus, pipelined, ckpt_interval=3, pp=2, dp=2)
+    assert run_distributed(4, _train_until, train_pp.main, 3, argv) == ["crashed"] * 4
+    with one_thread():
+        train_single.main(flags(corpus, pipelined, ckpt_interval=3, resume=True))
+    assert_runs_match(read_run(str(pipelined)), reference)
+    argv = flags(corpus, sharded, ckpt_interval=3)
+    assert run_distributed(2, _train_until, train_fsdp.main, 3, argv) == ["crashed"] * 2
+    run_distributed(4, train_pp.main, flags(corpus, sharded, ckpt_interval=3, resume=True, pp=4))
+    assert_runs_match(read_run(str(sharded)), reference)
+
+
+def test_pipeline_resume_and_activation_checkpointing_with_dropout_are_bit_identical(corpus, tmp_path_factory,
+                                                                                   shared_tmp):
+    """Dropout 0.1, each stage's masks drawn from its own rank's generator: killed at step 3 and resumed from step
+    2's checkpoint, and with --activation_checkpointing (the recompute draws the forward's masks again, though 1F1B
+    runs other micro-batches' forwards in between), the run is bit-identical to the same layout's uninterrupted one."""
+    layout = dict(pp=2, schedule="1f1b", dropout=DROPOUT)
+    reference, _ = pp_run(corpus, tmp_path_factory, 2, **layout)
+    argv = flags(corpus, shared_tmp, ckpt_interval=2, **layout)
+    assert run_distributed(2, _train_until, train_pp.main, 3, argv) == ["crashed"] * 2
+    assert training.latest_checkpoint(str(shared_tmp)).endswith("ckpt-0000002")
+    run_distributed(2, train_pp.main, argv + ["--resume"])
+    assert_identical(read_run(str(shared_tmp)), reference)
+    recomputed, _ = pp_run(corpus, tmp_path_factory, 2, activation_checkpointing=True, **layout)
+    assert_identical(recomputed, reference)
+
+
+def test_pipeline_bfloat16_and_compile(corpus, shared_tmp, tmp_path_factory):
+    """bf16 autocast (the residual stream sent between stages stays float32) within BF16_TOLERANCE of single's bf16
+    losses; --compile (each block compiled, the schedule between them) equal to eager single's."""
+    run_distributed(2, train_pp.main, flags(corpus, shared_tmp, dtype="bfloat16", max_steps=3))
+    losses = read_run(str(shared_tmp)).losses
+    reference = single_run(corpus, tmp_path_factory, dtype="bfloat16", max_steps=3).losses
+    assert len(losses) == 3 and max(abs(a - b) / b for a, b in zip(losses, reference)) < BF16_TOLERANCE
+    compiled = shared_folder(tmp_path_factory, "pp_compiled")
+    run_distributed(2, train_pp.main, flags(corpus, compiled, compile=True))
+    assert_runs_match(read_run(str(compiled)), single_run(corpus, tmp_path_factory), COMPILE_TOLERANCE,
+                      COMPILE_WEIGHT_TOLERANCE)
+
+
+def _pp_refused(argv):
+    """train_pp.main's refusal on this rank, which must come before its first collective."""
+    real = dist.all_gather_object  # init_distributed's fingerprint check: the first collective of a run
+    dist.all_gather_object = lambda *args, **kwargs: pytest.fail("a collective before the refusal")
+    try:
+        train_pp.main(argv)
+    except training.UsageError as error:
+        return str(error)
+    finally:
+        dist.all_gather_object = real
+
+
+@pytest.mark.parametrize("world_size, overrides, message", [
+    (5, dict(pp=5), "--pp 5 stages, but the model has 4 layers and a stage holds one at least: choose --pp 4"),
+    (2, dict(pp=2, dp=2), "--pp 2 x --dp 2 = 4 ranks, but the world has 2: choose --pp and --dp"),
+])
+def test_pipeline_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path, world_size,
+                                                                             overrides, message):
+    errors = run_distributed(world_size, _pp_refused, flags(corpus, tmp_path, **overrides))
+    assert all(error and message in error for error in errors), errors
+
+
+def test_pipeline_schedules_hold_what_their_papers_say():
+    """GPipe: every forward, then every backward. 1F1B: stage s of p runs p - 1 - s forwards first, then alternates;
+    no stage ever holds more than p - s micro-batches' activations. Both run every micro-batch forward and backward,
+    once, in order; the last backward is the last micro-batch's (the replicas' all-reduce waits for it)."""
+    for name in ("gpipe", "1f1b"):
+        for stages, micro_batches in [(2, 4), (4, 8), (4, 2)]:
+            for stage in range(stages):
+                order = train_pp.schedule(name, stage, stages, micro_batches)
+                for kind in ("forward", "backward"):
+                    assert [i for k, i in order if k == kind] == list(range(micro_batches))
+                assert order[-1] == ("backward", micro_batches - 1)
+                held = np.cumsum([1 if kind == "forward" else -1 for kind, _ in order])
+                assert held.max() == (micro_batches if name == "gpipe" else min(stages - stage, micro_batches))
+    assert train_pp.schedule("1f1b", 0, 2, 3) == [("forward", 0), ("forward", 1), ("backward", 0), ("forward", 2),
+                                                  ("backward", 1), ("backward", 2)]
+    assert [list(train_pp.stage_layers(4, 3, s)) for s in range(3)] == [[0, 1], [2], [3]]
+    assert [list(train_pp.stage_layers(12, 5, s)) for s in range(5)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9], [10, 11]]

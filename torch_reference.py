@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
@@ -139,3 +140,28 @@ def full_tensors(model, optimizer, master):
             if master:
                 tensors[key] = [checkpoint.piece(full.shape, full)]
     return tensors
+
+
+def pipeline_parallel(stage, index, num_stages, device, pipeline_group, dp_group, schedule, num_micro_batches):
+    """train_pp.py --impl torch: the train_pp.Stage replicated over dp_group by DistributedDataParallel, run by
+    torch.distributed.pipelining's PipelineStage under ScheduleGPipe or Schedule1F1B. Returns run_schedule(batches,
+    autocast), as train_pp.PipelineParallel.step: the micro-batches' mean loss on the last stage, zero elsewhere.
+    Evaluation and sampling go through train_pp.PipelineParallel.forward on the same stage."""
+    # find_unused_parameters: DDP then never rebuilds its buckets. By default it does after the first step, and under
+    # ScheduleGPipe the first stage's reducer has recorded every parameter twice and fails (torch 2.13);
+    # static_graph=True runs but averages other gradients than train_single's (measured: grad norm off by 2%).
+    replica = DistributedDataParallel(stage, device_ids=[device] if device.type == "cuda" else None,
+                                      process_group=dp_group, gradient_as_bucket_view=True, find_unused_parameters=True)
+    runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
+        PipelineStage(replica, index, num_stages, device, group=pipeline_group), num_micro_batches,
+        loss_fn=lambda logits, targets: stage.model.loss_fn(logits.flatten(0, 1), targets.flatten()))
+
+    def run_schedule(batches, autocast):
+        x, y = (torch.cat(tensors) for tensors in zip(*batches))  # the schedule cuts them into the same micro-batches
+        losses = []
+        with autocast:
+            runner.step(*[x] * stage.is_first, target=y if stage.is_last else None, losses=losses,
+                        return_outputs=False)
+        return torch.stack(losses).sum() / len(batches) if losses else torch.zeros((), device=device)
+
+    return run_schedule
