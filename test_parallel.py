@@ -3780,6 +3780,33 @@ def test_pipeline_gradients_are_single_devices_and_the_tied_ones_summed(schedule
     np.testing.assert_allclose(unsummed[0] + unsummed[1], model.wte.weight.grad.numpy(), rtol=1e-4, atol=1e-7)
 
 
+def _pipeline_forward(num_stages):
+    """train_pp's forward without autograd on every rank of a pipeline: (the loss, the logits) of one batch."""
+    config = gpt.make_config("tiny", vocab_size=256, block_size=16)
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    stage = train_pp.Stage(model, dist.get_rank(), num_stages)
+    stage.init_weights(torch.device("cpu"), lambda name, shape: gpt.initial_value(name, shape, config, seed=7))
+    pipeline = train_pp.PipelineParallel(stage, dist.group.WORLD, config)
+    tokens = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(5))  # shorter than block_size
+    return pipeline(tokens[:, :-1], tokens[:, 1:]).item(), pipeline(tokens[:, :-1]).numpy()
+
+
+def test_pipeline_forward_gives_every_rank_the_last_stages_loss_and_logits():
+    """Evaluation and sampling run one batch through the 4 stages without autograd: every rank gets one device's
+    loss and the logits at the last position, the only ones gpt.generate reads."""
+    config = gpt.make_config("tiny", vocab_size=256, block_size=16)
+    model = gpt.GPT(config)
+    model.init_weights(7)
+    tokens = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        loss, logits = model(tokens[:, :-1], tokens[:, 1:]).item(), model(tokens[:, :-1])
+    for rank_loss, rank_logits in run_distributed(4, _pipeline_forward, 4):
+        np.testing.assert_allclose(rank_loss, loss, rtol=TOLERANCE)
+        assert rank_logits.shape == (2, 1, config.padded_vocab_size)
+        np.testing.assert_allclose(rank_logits, logits[:, -1:].numpy(), rtol=1e-5, atol=1e-6)
+
+
 @launches_its_own_ranks
 def test_pipeline_resumes_from_and_into_other_layouts(corpus, tmp_path, tmp_path_factory):
     """Saved at step 3 by 2 stages x 2 replicas (each stage's first replica writes its blocks, the first stage the
