@@ -90,9 +90,10 @@ def check_finite(step, loss, grad_norm, args):
         return
     last = latest(args.out_dir)
     resume = f"--resume continues from {last!r}" if last else "no checkpoint was saved before it"
-    raise training.Stopped(f"step {step}: the loss is {loss.item():.4g} and the gradient norm {grad_norm.item():.4g}: "
-                           "the run diverged, and stopped before this step changed anything; try a lower --lr, "
-                           f"--grad_clip 1.0, or --dtype float32 for a check; {resume}", training.DIVERGED_EXIT_CODE)
+    message = (f"step {step}: the gradient norm is {grad_norm.item():.4g} (this rank's loss {loss.item():.4g}): the "
+               "run diverged, and stopped before this step changed anything; try a lower --lr, --grad_clip 1.0, or "
+               f"--dtype float32 for a check; {resume}")
+    raise training.Stopped(message, training.DIVERGED_EXIT_CODE)
 
 
 def due(step, args):

@@ -207,11 +207,7 @@ def generate(model, idx, max_new_tokens, block_size, vocab_size, temperature=0.8
     model.eval()
     try:
         for _ in range(max_new_tokens):
-            context = idx[:, -block_size:]
-            # A whole block, padded at its end: causal attention keeps the padding out of the logits read here, and
-            # every forward has one shape (sequence parallelism splits it evenly, --compile compiles it once).
-            padded = F.pad(context, (0, block_size - context.shape[1]))
-            logits = model(padded)[:, context.shape[1] - 1, :vocab_size].float() / temperature
+            logits = model(idx[:, -block_size:])[:, -1, :vocab_size].float() / temperature
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, -float("inf"))

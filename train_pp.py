@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import checkpoint
 import gpt
 import train_ddp
 import training
@@ -236,7 +237,7 @@ def main(argv=None):
     if pp > config.n_layer:
         raise training.UsageError(f"--pp {pp} stages, but the model has {config.n_layer} layers and a stage holds "
                                   f"one at least: choose --pp {config.n_layer} or fewer")
-    checkpoint_path = training.checkpoint_to_resume(args)
+    checkpoint_path = checkpoint.to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     pipeline_group, dp_group, embedding_group = new_groups(pp, dp)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
@@ -257,12 +258,12 @@ def main(argv=None):
     else:
         replica = train_ddp.DataParallel(stage, process_group=dp_group)
         run_schedule = partial(pipeline.step, args.schedule, no_sync=replica.no_sync)
-    parts = training.parameter_parts(model)
+    parts = checkpoint.parameter_parts(model)
     optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, device)
     forward = training.wrap_blocks(pipeline, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = training.resume(checkpoint_path, parts, optimizer, config, rank, device)
+    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
     blocks = [len(stage_layers(config.n_layer, pp, s)) for s in range(pp)]
     logger.print(f"pipeline: {pp} stages x {dp} data-parallel | {args.schedule} ({args.impl}) | blocks by stage "
@@ -270,6 +271,7 @@ def main(argv=None):
     logger.start(train_data, dp_size, start_step)
 
     # ---- loop
+    stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
     for step in range(start_step, args.max_steps):
         val_loss = training.evaluate(step, args, forward, val_data, autocast, dp_group)
         t0 = time.perf_counter()
@@ -278,6 +280,7 @@ def main(argv=None):
         loss_sum = run_schedule(batches, autocast)  # every micro-step's forward and backward, in the schedule's order
         sum_tied_gradients(stage, embedding_group)
         grad_norm = clip_grad_norm_(stage, args.grad_clip or float("inf"), pipeline_group)
+        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients are views into the all-reduce buckets
 
@@ -286,10 +289,13 @@ def main(argv=None):
             logger.log_step(step, loss_sum / dp_size, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: each stage's first replica writes its tensors; the tied weight comes from the first stage
-        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.max_steps:
+        stopping = stop_request.agreed(device)  # the same answer on every rank
+        if checkpoint.due(step, args) or stopping:
             owned = [part for part in parts if dp_rank == 0 and (stage.is_first or part.name != "wte.weight")]
-            tensors = training.checkpoint_tensors(owned, optimizer)
-            training.save_checkpoint(args, step + 1, tensors, config, device, rank, world_size)
+            tensors = checkpoint.pieces(owned, optimizer)
+            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
+        if stopping:
+            stop_request.stop(step + 1, args.out_dir)
 
     training.sample(forward, meta, args, device, autocast, show=rank == 0)  # every rank: each forward needs them all
     if owns_group:
