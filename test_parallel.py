@@ -422,15 +422,17 @@ def test_tf32_only_when_asked():
 
 
 def _advertised_commands():
-    """Every command line of the README and of the scripts' docstrings that launches a training script."""
-    texts = [open(os.path.join(HERE, name)).read() for name in
-             ("README.md", "train_single.py", "train_ddp.py", "train_fsdp.py", "train_tp.py", "train_2d.py")]
+    """Every command line of the README, of docs/*.md and of the scripts' docstrings that launches a training
+    script."""
+    texts = [*documentation().values(), *(open(os.path.join(HERE, name)).read() for name in
+                                          ("train_single.py", "train_ddp.py", "train_fsdp.py", "train_tp.py",
+                                           "train_2d.py"))]
     lines = "\n".join(texts).replace("\\\n", " ").splitlines()
     return [line.split("#")[0] for line in lines if re.search(r"(torchrun|python) .*train_\w+\.py", line)]
 
 
 def test_every_advertised_configuration_passes_the_layout_checks():
-    """A README or --help example that names a preset and a layout must pass the checks it would meet at launch
+    """A README, docs/ or --help example that names a preset and a layout must pass the checks it would meet at launch
     (heads, padded vocabulary and MLP width divisible by --tp, --tp x --dp = ranks)."""
     commands = _advertised_commands()
     assert len(commands) >= 10
@@ -446,7 +448,7 @@ def test_every_advertised_configuration_passes_the_layout_checks():
         training.check_tensor_parallel(config, tp, "--sequence_parallel" in command)
         if script == "2d":
             assert tp * int(option("--dp", ranks // tp)) == ranks, command
-    readme = open(os.path.join(HERE, "README.md")).read().replace("\n", " ")
+    readme = "\n".join(documentation().values()).replace("\n", " ")
     for preset, script, options in re.findall(r"`(tiny|gpt[23][\w.-]*)`[^`]*?`train_(\w+)\.py([^`]*)`", readme):
         tp = int((re.findall(r"--tp[= ](\d+)", options) or [2 if script == "2d" else 1])[-1])  # prose: "X with `...`"
         training.check_tensor_parallel(gpt.make_config(preset, 50257, 1024), tp, False)
@@ -1062,7 +1064,7 @@ def test_missing_logger_package_is_one_line_before_anything_is_created(corpus, t
 
 
 def test_readme_shows_how_to_log_to_tensorboard_and_wandb():
-    commands = readme_commands("Logging: TensorBoard and Weights & Biases", ("pip", "python", "WANDB_MODE"))
+    commands = readme_commands("TensorBoard and Weights & Biases", ("pip", "python", "WANDB_MODE"))
     assert "pip install tensorboard" in commands and "pip install wandb" in commands, commands
     assert any("python train_single.py --tensorboard" in command for command in commands), commands
     assert any("python train_single.py --wandb" in command for command in commands), commands  # after WANDB_MODE
@@ -3071,11 +3073,44 @@ def test_ranks_that_disagree_stop_at_start(corpus, tmp_path, disagreement):
     assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")
 
 
+def documentation():
+    """What a user reads: README.md and docs/*.md, by path, README first."""
+    docs = sorted(os.path.join("docs", name) for name in os.listdir(os.path.join(HERE, "docs")) if name.endswith(".md"))
+    texts = {}
+    for name in ["README.md", *docs]:
+        with open(os.path.join(HERE, name)) as f:
+            texts[name] = f.read()
+    return texts
+
+
+def readme_section(section):
+    """The text under the heading `section` (of any level) in README.md or docs/*.md, up to the next heading of the
+    same or a higher level. A `#` line inside a code block is no heading. The heading must be there exactly once, so
+    a section that moves between files is still found, and two sections of one name fail instead of hiding one."""
+    found = []
+    for text in documentation().values():
+        level, lines, fenced = None, [], False
+        for line in text.splitlines():
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            heading = None if fenced else re.match(r"(#+) (.+)", line)
+            if heading and level is not None and len(heading.group(1)) <= level:
+                found.append("\n".join(lines))
+                level = None
+            if heading and heading.group(2) == section:
+                level, lines = len(heading.group(1)), []
+            elif level is not None:
+                lines.append(line)
+        if level is not None:
+            found.append("\n".join(lines))
+    assert len(found) == 1, f"{len(found)} sections named {section!r} in README.md and docs/*.md"
+    return found[0]
+
+
 def readme_commands(section, start):
-    """The commands of a README section's bash blocks that begin with `start`, in order, as a user types them
-    (either side of an `&&`, without the comment)."""
-    with open(os.path.join(HERE, "README.md")) as f:
-        text = f.read().split(f"\n## {section}\n")[1].split("\n## ")[0]
+    """The commands of a README or docs/ section's bash blocks that begin with `start`, in order, as a user types
+    them (either side of an `&&`, without the comment)."""
+    text = readme_section(section)
     lines = "".join(re.findall(r"```bash\n(.*?)```", text, re.S)).splitlines()
     commands = [command.strip() for line in lines for command in line.split("#")[0].split("&&")]
     return [command for command in commands if command.startswith(start)]
@@ -3113,8 +3148,7 @@ def test_the_quick_start_figures_are_of_the_default_run():
     """The Quick start reports the time, losses and sample of `python train_single.py` and names the flags they
     come from: each must be the parser's default, or the figures describe another run than the one a reader
     starts (the run itself takes two minutes: too long for the suite)."""
-    with open(os.path.join(HERE, "README.md")) as f:
-        text = f.read().split("\n## Quick start\n")[1].split("\n## ")[0].replace("\n", " ")
+    text = readme_section("Quick start").replace("\n", " ")
     named = re.search(r"`python train_single.py` alone is `python train_single.py ([^`]*)`", text)
     assert named, "the Quick start no longer names the flags of its figures"
     argv = named.group(1).split()
