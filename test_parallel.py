@@ -3326,6 +3326,7 @@ COPIED_WITH = {  # script -> the files beside it that its default run needs (REA
     "train_fsdp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py"],
     "train_tp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py"],
     "train_2d.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_tp.py", "train_fsdp.py"],
+    "train_pp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
 }
 
 
@@ -3339,7 +3340,7 @@ def test_a_copied_script_runs_with_the_files_the_readme_names(tmp_path, script):
     for name in [script] + COPIED_WITH[script]:
         shutil.copy(os.path.join(HERE, name), folder)
     argv = ["--max_steps", "2", "--sample_tokens", "8", "--eval_iters", "1"]
-    ranks = 1 if script == "train_single.py" else 2
+    ranks = 1 if script == "train_single.py" else 2  # train_2d.py and train_pp.py: --tp 2 and --pp 2 by default
     with launcher(tmp_path) as start:
         launch = (start(script, *argv, via_torchrun=False, cwd=folder, PYTHONPATH="") if ranks == 1 else
                   start(*standalone(ranks, script, argv), cwd=folder, PYTHONPATH=""))
@@ -3353,10 +3354,10 @@ def test_the_readme_names_the_files_a_copied_script_needs():
     """The README's sentence on copying a script names exactly COPIED_WITH's files, which the test above runs with."""
     with open(os.path.join(HERE, "README.md")) as f:
         text = " ".join(f.read().split())
-    sentence = re.search(r"A copied script needs ([^.]*)\.", text)
+    sentence = re.search(r"A script copied into another project needs ([^;]*);", text)
     assert sentence, "the README no longer says what a copied script needs"
     named = set(re.findall(r"`(\w+\.py)`", sentence.group(1)))
-    assert named == {"train_2d.py"} | {name for files in COPIED_WITH.values() for name in files}, named
+    assert named == {"train_2d.py", "train_pp.py"} | {name for files in COPIED_WITH.values() for name in files}, named
 
 
 READER_TOKEN_SKIP = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT,

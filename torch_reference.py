@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.nn.parallel import DistributedDataParallel
 
 import checkpoint
+import train_tp
 import training
 
 
@@ -110,9 +111,8 @@ def parallelize_with_dtensor(model, mesh, sequence_parallel, loss_parallel):
     model.lm_head.weight = model.wte.weight  # each style distributed its own copy of the tied weight
     if loss_parallel:
         model.loss_fn = DTensorLossParallel.apply
-    # generate() calls the model without targets and reads whole logits
-    model.register_forward_hook(lambda module, args, out: out.full_tensor() if isinstance(out, DTensor) else None)
-    return model
+    whole = lambda logits: logits.full_tensor() if isinstance(logits, DTensor) else logits  # noqa: E731
+    return train_tp.sampling_hooks(model, mesh.size() if sequence_parallel else 1, whole)
 
 
 def clip_grad_norm_(parameters, max_norm):

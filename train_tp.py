@@ -236,6 +236,22 @@ def is_sliced(name):
     return name == "wte.weight" or module in COLUMN_PARALLEL or (module in ROW_PARALLEL and kind == "weight")
 
 
+def sampling_hooks(model, multiple, gather):
+    """For a model split along the sequence or the vocabulary (here, and torch_reference.py): generate() calls
+    model(idx) without targets, at any length, and wants whole logits. Pad the prompt to a `multiple` of the
+    sequence shards (causal: padding never reaches earlier positions), gather the logits, drop the padding."""
+    lengths = []
+
+    def pad(module, args, kwargs):
+        if len(args) == 1 and kwargs.get("targets") is None:
+            lengths.append(args[0].shape[1])
+            return (F.pad(args[0], (0, -args[0].shape[1] % multiple)),), kwargs
+
+    model.register_forward_pre_hook(pad, with_kwargs=True)
+    model.register_forward_hook(lambda module, args, out: gather(out)[:, :lengths.pop()] if out.dim() == 3 else None)
+    return model
+
+
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropout_seed=0):
     """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place, on meta before to_empty and
     init_weights. dropout_seed seeds the tensor-parallel region's dropout: different on every rank. Its stream is
@@ -278,9 +294,8 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
         module.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel),))
     # batch-first logits, as the loss flattens them: under sequence parallelism a [B, T, C] copy, not [B, T, V / tp]
     model.lm_head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(),))
-    if loss_parallel:  # generate() calls the model without targets and reads whole logits
-        model.register_forward_hook(lambda module, args, out: gather(out) if out.dim() == 3 else None)
-    return model
+    tp = dist.get_world_size(group)
+    return sampling_hooks(model, tp if sequence_parallel else 1, gather if loss_parallel else nn.Identity())
 
 
 def allreduce_replicated_grads(parts, group):
