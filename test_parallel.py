@@ -1654,7 +1654,8 @@ def _local_parameters_by_name():
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))  # the same rows on every rank
     fsdp(x, x).backward()
     local = dict(model.named_parameters())
-    ranges = {part.name: part.flat for part in fsdp.parts()}  # which elements of the full tensor this rank holds
+    parts = map(checkpoint.Part._make, fsdp.parts())
+    ranges = {part.name: part.flat for part in parts}  # which elements of the full tensor this rank holds
     return {name: (ranges.get(name, (0, 0)), param.detach().numpy().copy(), param.grad.numpy().copy())
             for name, param in local.items()}
 

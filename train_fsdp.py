@@ -1,6 +1,6 @@
 """
 Fully sharded data parallel (ZeRO-3) by hand: every rank keeps 1/N of each unit's parameters, gradients and AdamW
-state; a unit is all-gathered just before its forward and again before its backward, and its gradient is
+state. A unit is all-gathered just before its forward and again before its backward, and its gradient is
 reduce-scattered back into the shards. Prefetch, mixed precision and deferred init.
 
     torchrun --standalone --nproc_per_node=2 train_fsdp.py
@@ -29,69 +29,79 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 
 class FlatParameter:
-    """One unit's parameters of one kind (decayed, not decayed, frozen) end to end in one buffer, padded to a
-    multiple of the group size; this rank keeps 1/N of it as `shard`, the float32 master weights, and each original
-    parameter stays registered under its name as this rank's piece of it (a view into the shard, maybe empty). While
-    gathered, an attribute of the same name shadows it with a view of `full`, the whole buffer in the compute dtype:
-    module code runs unchanged, and autograd sums the views' gradients (a tied one's too) into that of `full`."""
+    """One unit's parameters of one kind end to end in a buffer padded to a multiple of the group size; this rank
+    keeps 1/N of it, `shard`, the float32 master weights. Each parameter stays registered as this rank's piece of
+    it (a view into the shard); while gathered, an attribute shadows it with a view of `full`, the whole buffer."""
 
     def __init__(self, entries, wrapper, device, initial_value):
-        self.names, params, self.uses = zip(*entries)  # entries: (name, parameter, its (module, attribute) uses)
-        self.wrapper, self.group, self.dtype = wrapper, wrapper.group, wrapper.compute_dtype
-        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self.shapes, self.sizes = [p.shape for p in params], [p.numel() for p in params]
-        self.shard_size, self.decay = -(-sum(self.sizes) // self.world), params[0].dim() >= 2  # one kind a buffer
-        self.padding = self.shard_size * self.world - sum(self.sizes)
-        first, offset, self.pieces = self.rank * self.shard_size, 0, []  # (parameter, its [begin, end), start here)
-        for index, size in enumerate(self.sizes):
-            begin, end = max(offset, first) - offset, min(offset + size, first + self.shard_size) - offset
-            if begin < end:
-                self.pieces.append((index, begin, end, offset + begin - first))
-            offset += size
+        self.names, params, self.uses = zip(*entries)  # uses: the (module, attribute) pairs holding a parameter
+        self.wrapper = wrapper
+        self.world = dist.get_world_size(wrapper.group)
+        self.rank = dist.get_rank(wrapper.group)
+        self.shapes = [param.shape for param in params]
+        self.sizes = [param.numel() for param in params]
+        self.decay = params[0].dim() >= 2  # one kind a buffer: the first parameter speaks for all
+        total = sum(self.sizes)
+        self.shard_size = -(-total // self.world)  # rounded up
+        self.padding = self.shard_size * self.world - total
         shard = torch.zeros(self.shard_size, device=device)  # the padding stays zero: no gradient, no decay
-        self.spans = [slice(0, 0)] * len(params)  # where each original parameter's piece sits in the shard
-        for index, begin, end, start in self.pieces:  # only its piece of one original parameter at a time
-            self.spans[index] = slice(start, start + end - begin)
-            shard[self.spans[index]] = initial_value(self.names[index], params[index], (begin, end))
-        self.shard = nn.Parameter(shard, requires_grad=params[0].requires_grad)
-        self.locals = [nn.Parameter(self.shard.detach()[span], requires_grad=self.shard.requires_grad)
-                       for span in self.spans]
+        self.spans = [slice(0, 0)] * len(params)  # where each parameter's piece lies in the shard
+        self.pieces = []  # (parameter index, [begin, end) in the flattened parameter, start in the shard)
+        offset = -self.rank * self.shard_size  # where the next parameter starts, counted from the shard's start
+        for index, size in enumerate(self.sizes):
+            start = max(offset, 0)
+            stop = min(offset + size, self.shard_size)
+            if start < stop:  # deferred init: one piece of one parameter at a time, never a whole buffer
+                piece = (start - offset, stop - offset)
+                self.spans[index] = slice(start, stop)
+                self.pieces.append((index, *piece, start))
+                shard[start:stop] = initial_value(self.names[index], params[index], piece)
+            offset += size
+        trained = params[0].requires_grad
+        self.shard = nn.Parameter(shard, requires_grad=trained)
+        self.locals = [nn.Parameter(shard[span], requires_grad=trained) for span in self.spans]
         for local, uses in zip(self.locals, self.uses):
             for module, attribute in uses:
                 module._parameters[attribute] = local
-        self.full = self.work = None
+        self.full = None
+        self.work = None  # the all-gather in flight
 
     def gather(self, wait=True):
-        """Start the all-gather of `full` if needed (cast first: bf16 moves half the bytes), then wait for it."""
-        if self.full is None and self.work is None:
-            self.incoming = torch.empty(self.shard_size * self.world, dtype=self.dtype, device=self.shard.device)
-            self.sent = self.shard.detach().to(self.dtype)
-            self.work = all_gather_single(self.incoming, self.sent, group=self.group, async_op=True)
+        """Start the all-gather of `full` unless it is gathered or on its way; then, if `wait`, wait for it."""
+        if self.full is None:
+            self.sent = self.shard.detach().to(self.wrapper.compute_dtype)  # cast first: bf16 moves half the bytes
+            self.full = self.sent.new_empty(self.shard_size * self.world)
+            self.work = all_gather_single(self.full, self.sent, group=self.wrapper.group, async_op=True)
+            self.wrapper.gathered[self.full.untyped_storage().data_ptr()] = self
         if wait and self.work is not None:
             self.work.wait()
-            self.full, self.incoming, self.sent, self.work = self.incoming, None, None, None
-            self.wrapper.gathered[self.full.untyped_storage().data_ptr()] = self
+            self.work = None
+            self.sent = None  # held until the collective had read it
 
     def use_views(self):
+        """Shadow each parameter with its view of `full`. Autograd sums the views' gradients (a tied parameter's
+        too) into one for the whole buffer, which Unshard hands to the reduce-scatter."""
         grad = torch.is_grad_enabled() and self.shard.requires_grad
         full = Unshard.apply(self.shard, self.full, self) if grad else self.full
-        for view, shape, uses in zip(full.split(self.sizes + [self.padding]), self.shapes, self.uses):
+        views = full.split(self.sizes + [self.padding])
+        for view, shape, uses in zip(views, self.shapes, self.uses):
             for module, attribute in uses:
                 module.__dict__[attribute] = view.view(shape)
 
-    def free(self):
+    def free(self):  # the registered pieces show again
         if self.work is not None:  # a prefetch nobody used: let it land, then drop it
             self.gather()
-        for module, attribute in (use for uses in self.uses for use in uses):
-            module.__dict__.pop(attribute, None)  # the registered local piece shows again
+        for uses in self.uses:
+            for module, attribute in uses:
+                module.__dict__.pop(attribute, None)
         if self.full is not None:
             del self.wrapper.gathered[self.full.untyped_storage().data_ptr()]
             self.full = None
 
 
 class Unshard(torch.autograd.Function):
-    """Identity from the shard to the gathered buffer, so that autograd calls backward once, with the buffer's
-    whole gradient, when the unit's backward is over; the shard's gradient arrives by reduce-scatter instead."""
+    """Identity from the shard to the gathered buffer. Autograd calls its backward once, with the whole buffer's
+    gradient, when the unit's backward is over; the shard's gradient arrives by reduce-scatter instead."""
 
     @staticmethod
     def forward(ctx, shard, full, flat):
@@ -111,46 +121,48 @@ def unit_modules(module, units=None):
 
 
 def flat_parameter_groups(module, units=None):
-    """For each unit, {kind: [(name, parameter, its (module, attribute) uses)]}: the FlatParameters it will hold,
-    one per kind (requires grad, is a matrix). A parameter belongs to the innermost unit holding every module that
-    uses it: a weight tied across units (wte and lm_head) lives in the root. Needs no process group: the planner
-    (plan.py) counts what a rank holds from it, on meta."""
+    """For each unit, {kind: [(name, parameter, its (module, attribute) uses)]}: its FlatParameters, one per kind
+    (requires grad, is a matrix). Needs no process group: the planner (plan.py) reads it on meta."""
     holders = unit_modules(module, units)
     owner = {sub: index for index, unit in enumerate(holders) for sub in unit.modules()}  # innermost wins
-    params = {}
+    entries = {}  # one a parameter, however many modules use it
     for module_name, sub in module.named_modules():
-        for attribute, param in list(sub._parameters.items()):
+        for attribute, param in sub._parameters.items():
             if param is not None:
                 name = f"{module_name}.{attribute}".lstrip(".")
-                params.setdefault(param, (name, param, []))[2].append((sub, attribute))
+                entries.setdefault(param, (name, param, []))[2].append((sub, attribute))
     groups = [{} for _ in holders]
-    for entry in params.values():
-        users = {owner[sub] for sub, _ in entry[2]}
-        kind = (entry[1].requires_grad, entry[1].dim() >= 2)
-        groups[users.pop() if len(users) == 1 else 0].setdefault(kind, []).append(entry)
+    for name, param, uses in entries.values():  # the innermost unit holding every use; tied across units: the root
+        users = {owner[sub] for sub, _ in uses}
+        unit = users.pop() if len(users) == 1 else 0
+        kind = (param.requires_grad, param.dim() >= 2)
+        groups[unit].setdefault(kind, []).append((name, param, uses))
     return groups
 
 
+def current_value(name, param, flat):
+    """The default initial_value: the parameter's elements [flat[0], flat[1]) as they are."""
+    if param.is_meta:
+        raise ValueError(f"parameter {name} is on meta: pass initial_value to say what it starts as")
+    return param.detach().reshape(-1)[flat[0]:flat[1]]
+
+
 class FullyShardedDataParallel(nn.Module):
-    """ZeRO-3 on any nn.Module. Units: the root module and each of `units` (default: its `blocks`; nested ones
-    after their holders). A parameter belongs to the innermost unit holding every module using it: a weight tied
-    across units lives in the root, gathered from the start of forward to the end of backward. Units compute in
-    `compute_dtype`; shards, AdamW and gradient reduction stay float32. initial_value(name, parameter, flat): its
-    starting value's elements [flat[0], flat[1]), flattened (default: the current ones; required on meta). tp_boxes:
-    {name: (full shape, box)} when the module is tensor-parallel (train_2d.py): where its slices lie in the full
-    tensors, for the checkpoint."""
+    """ZeRO-3 on any nn.Module: its units (the root, and each of `units`, default its `blocks`) are gathered one at
+    a time, computing in `compute_dtype`; shards, AdamW and gradient reduction stay float32. initial_value(name,
+    parameter, flat): a parameter's elements [flat[0], flat[1]) to start from (required on meta). tp_boxes, {name:
+    (full shape, box)}: where a tensor-parallel module's slices lie in the full tensors (train_2d.py)."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=None, tp_boxes=None):
         super().__init__()
-        self.module, self.group, self.compute_dtype = module, process_group or dist.group.WORLD, compute_dtype
-        self.reshard_after_forward, self.tp_boxes, self.order = reshard_after_forward, tp_boxes or {}, []
-        if initial_value is None:
-            meta = [name for name, param in module.named_parameters() if param.is_meta]
-            if meta:
-                raise ValueError(f"parameter {meta[0]} is on meta: pass initial_value to say what it starts as")
-            initial_value = lambda name, param, flat: param.detach().reshape(-1)[flat[0]:flat[1]]  # noqa: E731
-        self.gathered = {}  # storage address of a gathered buffer -> its FlatParameter: the saved-tensor hooks' map
+        self.module = module
+        self.group = process_group or dist.group.WORLD
+        self.compute_dtype = compute_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.tp_boxes = tp_boxes or {}
+        self.gathered = {}  # storage address of a gathered buffer -> its FlatParameter, for the saved-tensor hooks
+        initial_value = initial_value or current_value
         self.units = [[FlatParameter(entries, self, device, initial_value) for entries in unit.values()]
                       for unit in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
@@ -158,23 +170,27 @@ class FullyShardedDataParallel(nn.Module):
         for index, unit in enumerate(unit_modules(module, units)):
             unit.register_forward_pre_hook(partial(self._before_forward, index))
             unit.register_forward_hook(partial(self._after_forward, index))
+        self.order = []  # units in the order their forward first ran: which to prefetch next
         self.in_flight = None  # the latest reduce-scatter, finished when the next one starts
-        self.backward_callback_queued = False  # self.order: units in the order their forward first ran, to prefetch
+        self.backward_callback_queued = False
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        self.module.zero_grad()  # the pieces' gradients view the last step's: left set, they would keep it alive
+        # A saved tensor that views a gathered buffer would keep it alive until backward: save a reference instead.
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            return self.module(*args, **kwargs)
 
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         """The shards, which the optimizer steps; the wrapped module's own names list this rank's pieces of them."""
         return self.shards.named_parameters(f"{prefix}.shards".lstrip("."), recurse, remove_duplicate)
 
     def gather(self, index, direction):
-        """Make unit `index` available and point its modules at it, first starting the gather of the next unit this
-        way (forward +1, backward -1; after the last, the root) to overlap this one's compute. Views require grad in
-        backward too: --activation_checkpointing recomputes the forward there, which must save what forward saved."""
+        """Make unit `index` available and point its modules at it. The next unit this way (forward +1, backward
+        -1; after the last, the root) starts gathering first, to overlap this one's compute."""
         following = self.order[(self.order.index(index) + direction) % len(self.order)]
         for flat in self.units[index] + self.units[following]:
             flat.gather(wait=False)
+        # In backward too the views require grad: --activation_checkpointing recomputes the forward there.
         with torch.enable_grad() if direction < 0 else nullcontext():
             for flat in self.units[index]:
                 flat.gather()
@@ -184,23 +200,15 @@ class FullyShardedDataParallel(nn.Module):
     def _before_forward(self, index, module, args):
         if index not in self.order:
             self.order.append(index)
-        if index == 0:
-            # Tensors autograd saves for backward that are views of a gathered buffer would keep it alive until
-            # then; saved as a reference instead, they are read from the buffer gathered again for backward.
-            self.saved_tensor_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self.saved_tensor_hooks.__enter__()
-            for local in (local for flat in self.flats for local in flat.locals):  # the last step's gradient:
-                local.grad = None  # views of it would keep it alive through this step
         self.gather(index, +1)
 
     @torch.compiler.disable
     def _after_forward(self, index, module, args, output):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # backward reaches the unit once its output's gradient is computed
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(partial(self._before_backward, index))
-        if index == 0:
-            self.saved_tensor_hooks.__exit__(None, None, None)
+        # Without autograd (evaluation, sampling) no backward needs the unit; the root waits for its backward.
         if not torch.is_grad_enabled() or (self.reshard_after_forward and index != 0):
             for flat in self.units[index]:
                 flat.free()
@@ -232,10 +240,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def reduce_scatter(self, flat, grad):
         """Start averaging the unit's gradient over the group, in float32, into this rank's piece. The previous
-        one lands first: one full gradient at most waits, while the next unit's backward computes."""
+        one lands first: at most one full gradient waits while the next unit's backward computes."""
         self.finish_reduce_scatter()
-        grad = grad.float()
-        piece = torch.empty(flat.shard_size, device=grad.device)
+        grad = grad.float()  # averaged in float32: a sum of N bf16 gradients would lose their low bits
+        piece = grad.new_empty(flat.shard_size)
         work = reduce_scatter_single(piece, grad, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
         self.in_flight = (flat, piece, grad, work)
 
@@ -256,9 +264,7 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm):
         """The whole model's gradient norm: the shards are disjoint parts of it (padding's gradient is zero)."""
         grads = [shard.grad for shard in self.shards if shard.grad is not None]
-        total = torch.zeros((), device=grads[0].device)
-        for grad in grads:
-            total += grad.pow(2).sum()
+        total = sum(grad.pow(2).sum() for grad in grads)
         dist.all_reduce(total, group=self.group)  # one number: the squared norm of the whole model
         norm = total.sqrt()
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # clip_grad_norm_'s coefficient
@@ -327,6 +333,7 @@ def main(argv=None):
     logger.start(train_data, dp_size, start_step)
 
     # ---- loop
+    stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
     for step in range(start_step, args.max_steps):
         val_loss = training.evaluate(step, args, forward, val_data, autocast, dist.group.WORLD)
         t0 = time.perf_counter()
@@ -339,6 +346,7 @@ def main(argv=None):
             loss.backward()  # each unit's gradient is reduce-scattered (averaged over ranks) as its backward ends
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
+        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -347,10 +355,13 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every rank writes the pieces its shards hold
-        if checkpoint.due(step, args):
+        stopping = stop_request.agreed(device)  # the same answer on every rank
+        if checkpoint.due(step, args) or stopping:
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None
                        else checkpoint.pieces(parts, optimizer))
             checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
+        if stopping:
+            stop_request.stop(step + 1, args.out_dir)
 
     training.sample(model, meta, args, device, autocast, show=rank == 0)  # every rank: each forward gathers from all
     if owns_group:
