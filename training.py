@@ -172,20 +172,21 @@ def run(main):
         except BaseException:
             if not interrupted:
                 raise
-            # A rank that Ctrl-C stopped, or one whose peer it stopped (a collective lost its peer): no traceback.
-            if launched_rank()[0] == 0:
-                print("interrupted (Ctrl-C): nothing was saved since the latest checkpoint, which --resume continues",
-                      file=sys.stderr)
-            sys.exit(INTERRUPTED_EXIT_CODE)
+            # A rank Ctrl-C stopped, or one whose collective lost a peer it stopped: one line, from rank 0 alone.
+            say_once("interrupted (Ctrl-C): --resume continues from the latest checkpoint", INTERRUPTED_EXIT_CODE,
+                     wait=False)
 
     entry_point()
 
 
-def say_once(line, code):
-    """Print `line` from rank 0 (the others wait for torchrun to end them, then exit quietly) and exit with code."""
+def say_once(line, code, wait=True):
+    """Print `line` from rank 0 and exit with `code`; another rank waits for torchrun to end it (if `wait`: a rank
+    still running after OTHER_RANKS_WAIT_S failed alone and says so itself)."""
+    if launched_rank()[0] != 0 and not wait:
+        sys.exit(code)
     if launched_rank()[0] != 0:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
-        time.sleep(OTHER_RANKS_WAIT_S)  # a rank still running after this failed alone: it says why itself
+        time.sleep(OTHER_RANKS_WAIT_S)
     print(line, file=sys.stderr)
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary shows it as this rank's failure
         info = {"py_callstack": line, "timestamp": str(int(time.time()))}
@@ -270,10 +271,7 @@ class StopRequest:
     def __init__(self):
         self.received = None
         for number in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(number, self.receive)
-
-    def receive(self, number, frame):
-        self.received = signal.Signals(number).name
+            signal.signal(number, lambda number, frame: setattr(self, "received", signal.Signals(number).name))
 
     def agreed(self, device):
         """Whether any rank has received one: the same answer on every rank."""
@@ -283,9 +281,8 @@ class StopRequest:
         return received.item() > 0
 
     def stop(self, step, out_dir):
-        signal_name = self.received or "a signal to another rank"
-        raise Stopped(f"stopped on request ({signal_name}) after step {step}, saved in {out_dir!r}: the same command "
-                      "with --resume goes on from there", PREEMPTED_EXIT_CODE)
+        raise Stopped(f"stopped on request ({self.received or 'a signal to another rank'}) after step {step}, saved in "
+                      f"{out_dir!r}: the same command with --resume goes on from there", PREEMPTED_EXIT_CODE)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -351,10 +348,9 @@ def load_data(args, dp_rank, dp_size, device, is_writer):
 
 
 def initial_values(config, seed, init_from=None):
-    """The one source of every layout's initial parameters: value(name, shape, box=None, flat=None) gives full[box]
-    (flattened, only elements [flat[0], flat[1]) when flat is given), where full is parameter `name`'s initial
-    value: drawn from (seed, name), or with --init_from the pretrained checkpoint's. Each rank asks for its own part
-    only: a whole parameter, a tensor-parallel slice (a box), an FSDP shard (a flat range)."""
+    """Every layout's one source of initial values: value(name, shape, box=None, flat=None) is full[box], flattened
+    to elements [flat[0], flat[1]) if flat is given, where full is drawn from (seed, name) or read from --init_from.
+    A rank asks for its own part only: a tensor-parallel slice (a box), an FSDP shard (a flat range)."""
     if init_from:
         import hugging_face
 
@@ -516,7 +512,7 @@ def peak_memory_mb(device):
 
 class Logger:
     """Progress of a run: the console (rank 0, or every rank with --log_all_ranks) and, from rank 0,
-    <out_dir>/metrics.jsonl, and TensorBoard and Weights & Biases when asked for (trackers.py)."""
+    <out_dir>/metrics.jsonl and the trackers asked for (trackers.py)."""
 
     def __init__(self, args, config, device, rank=0, world_size=1):
         self.args, self.device, self.world_size = args, device, world_size
@@ -529,11 +525,9 @@ class Logger:
         self.flops_per_token = gpt.flops_per_token(config, model.num_params(with_position_embedding=False))
         self.peak_flops = peak_flops(device)
         self.trackers = None
-        if not self.writes:
-            return
-        os.makedirs(args.out_dir, exist_ok=True)
-        self.path = os.path.join(args.out_dir, "metrics.jsonl")
-        if args.tensorboard or args.wandb:
+        if self.writes:
+            os.makedirs(args.out_dir, exist_ok=True)
+        if self.writes and (args.tensorboard or args.wandb):
             import trackers
 
             self.trackers = trackers.Trackers(args)
@@ -543,14 +537,13 @@ class Logger:
             print(self.prefix + text)
 
     def start(self, sampler, dp_size, start_step, layout=""):
-        model = self.args.init_from or self.args.model or "tiny"
-        origin = (f"resuming at step {start_step}" if start_step else
-                  f"from {self.args.init_from}'s weights" if self.args.init_from else "from scratch")
-        self.print(f"{model}: {self.num_params / 1e6:.2f}M parameters | {self.world_size} rank"
-                   f"{'s' * (self.world_size > 1)} on {self.device} | {layout}global batch {self.args.global_batch} = "
-                   f"micro batch {sampler.micro_batch} x {sampler.accumulation} accumulation x {dp_size} data-parallel"
-                   f" | {origin} | ready in {time.perf_counter() - IMPORTED:.1f} s, peak "
-                   f"{peak_memory_mb(self.device):,.0f} MB")
+        args = self.args
+        origin = "from scratch" if not args.init_from else f"from {args.init_from}'s weights"
+        self.print(f"{args.init_from or args.model or 'tiny'}: {self.num_params / 1e6:.2f}M parameters | "
+                   f"{self.world_size} rank{'s' * (self.world_size > 1)} on {self.device} | {layout}global batch "
+                   f"{args.global_batch} = micro batch {sampler.micro_batch} x {sampler.accumulation} accumulation x "
+                   f"{dp_size} data-parallel | {f'resuming at step {start_step}' if start_step else origin} | "
+                   f"ready in {time.perf_counter() - IMPORTED:.1f} s, peak {peak_memory_mb(self.device):,.0f} MB")
 
     def due(self, step, val_loss):
         return step % self.args.log_interval == 0 or step + 1 == self.args.max_steps or val_loss is not None
@@ -575,7 +568,7 @@ class Logger:
         # Strict JSON: a value that is not finite is null (json.dumps would write NaN, which jq and JSON.parse refuse)
         record = {key: None if isinstance(value, float) and not math.isfinite(value) else value
                   for key, value in record.items()}
-        with open(self.path, "a") as f:
+        with open(os.path.join(self.args.out_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.trackers:
             self.trackers.log(record)
