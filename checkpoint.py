@@ -259,14 +259,11 @@ class Checkpoint:
                                       f"run's {asdict(config)}; use a new --out_dir, or the --model, --block_size "
                                       "and --dropout it was saved with")
         for name, shape in shapes.items():
-            pieces = self.pieces.get(name)
-            if not pieces or tuple(pieces[0]["shape"]) != tuple(shape):
-                found = tuple(pieces[0]["shape"]) if pieces else None
-                raise ValueError(f"checkpoint {self.path!r}: tensor {name} has shape {found}, expected {tuple(shape)}")
-            covered = sum(p["flat"][1] - p["flat"][0] for p in pieces)
+            pieces = self.pieces.get(name, [])
+            covered = sum(p["flat"][1] - p["flat"][0] for p in pieces if tuple(p["shape"]) == tuple(shape))
             if covered != math.prod(shape):
-                raise ValueError(f"checkpoint {self.path!r}: tensor {name} covers {covered} of "
-                                 f"{math.prod(shape)} elements (a rank file is missing or truncated)")
+                raise ValueError(f"checkpoint {self.path!r}: tensor {name} {tuple(shape)} covers {covered} of its "
+                                 f"{math.prod(shape)} elements (another model, or a rank file missing or truncated)")
 
     def full(self, name):
         pieces = self.pieces[name]

@@ -382,6 +382,7 @@ def main(argv=None):
     logger.start(train_data, dp_size, start_step, layout=f"tensor parallel {tp} ({modes}) | ")
 
     # ---- loop
+    stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
     for step in range(start_step, args.max_steps):
         val_loss = training.evaluate(step, args, forward, val_data, autocast)
         t0 = time.perf_counter()
@@ -396,6 +397,7 @@ def main(argv=None):
         if args.sequence_parallel and parts is not None:
             allreduce_replicated_grads(parts, dist.group.WORLD)
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
+        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -403,10 +405,13 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every rank its slices, rank 0 the replicated tensors
-        if checkpoint.due(step, args):
+        stopping = stop_request.agreed(device)  # the same answer on every rank
+        if checkpoint.due(step, args) or stopping:
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None else
                        checkpoint.pieces([part for part in parts if part.sliced or rank == 0], optimizer))
             checkpoint.save(args, step + 1, tensors, config, device, rank, world_size, streams)
+        if stopping:
+            stop_request.stop(step + 1, args.out_dir)
 
     training.sample(model, meta, args, device, autocast, show=rank == 0)  # every rank: each forward needs them all
     if owns_group:
