@@ -7,14 +7,14 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py --strategies tp --model gpt2-medium --vocab_size 50257 --sequence_parallel   # GPT-2's vocabulary
     python bench.py --gpu_check --device cuda --steps 20       # one command that checks a GPU machine
     python bench.py --checkpointing                  # what --activation_checkpointing costs and saves, per strategy
-    python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (--plan's)
+    python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (plan.py's)
 
 Each run is a fresh `torchrun --standalone` of the training script for --steps optimizer steps. Runs are
 interleaved (round 1: ours, torch, ...; round 2: ours, torch, ...) so that drift of the machine hits both sides
 alike; a row reports the best round. Step time is the median over the steps after --warmup, excluding the one
 step that is profiled: that step's collectives are read from torch.profiler (the same record for our code, for
 DistributedDataParallel's C++ reducer and for DTensor's functional collectives) and turned into bytes sent per
-rank with the ring-algorithm factors, next to the formula each strategy should meet: comm_formula() lists every
+rank with the ring-algorithm factors, next to the formula each strategy should meet: plan.comm_formula() lists every
 collective of a step (what it moves, how many, the bytes), with the backend's own factors (gloo's reduce-scatter is an
 all-reduce). tp_sequence_parallel and tp_no_loss_parallel are train_tp.py's other two modes.
 On CPU, ranks get one thread each; so does the single-device baseline the scaling efficiency is measured against.
@@ -31,16 +31,20 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
-from typing import NamedTuple
 
 import torch
 
 import gpt
 import plan
 import prepare_data
+import train_ddp
+import train_fsdp
+import train_tp
 import training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The strategies' own functions, which plan.py reads what they build from (it cannot import the scripts)
+STRATEGY_CODE = dict(sliced=train_tp.is_sliced, units=train_fsdp.flat_parameter_groups)
 BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
 
 
@@ -69,17 +73,6 @@ def collective_kind(name):
     raise ValueError(f"profiler record {name!r} is a collective bench.py cannot classify: add it to collective_kind")
 
 
-def wire_bytes(kind, payload, n):
-    """Bytes one rank sends in a ring implementation: all-reduce 2(N-1)/N of the tensor, all-gather (N-1)x its
-    input shard, reduce-scatter and all-to-all (N-1)/N of their input, broadcast, reduce and point-to-point the
-    tensor, a barrier nothing worth counting."""
-    if n == 1 or kind == "barrier":
-        return 0
-    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "reduce_scatter": (n - 1) / n,
-               "all_to_all": (n - 1) / n}
-    return factors.get(kind, 1) * payload
-
-
 # ------------------------------------------------------------------------------------------------------------
 # What one rank holds, measured: the memory planner's test (test_parallel.py) and the checkpointing table use it
 
@@ -91,10 +84,8 @@ def memory_held(measured):
     saves for backward during the first micro-batch's forward ("activations"), each storage once. Under our FSDP
     its own pack hook decides what is kept (gathered weights by reference, so they are not counted); the rank's
     parameters are never activations; a checkpointed block's inputs are (torch's checkpoint saves them)."""
-    import train_fsdp
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
     from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     saved, parameters = {}, set()
     # --impl torch's tensor parallelism: a DTensor has no storage of its own; its local tensor does.
@@ -148,124 +139,6 @@ def memory_held(measured):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The formulas: every collective one optimizer step of each strategy runs, as the code runs it
-
-
-class Term(NamedTuple):
-    """One kind of collective in a step: what it moves, its kind and group, how many run a step, and the bytes one
-    rank sends through them a step."""
-    what: str
-    kind: str
-    group: str
-    count: int
-    bytes: float
-
-
-def sent(kind, payload, n, backend):
-    """wire_bytes of a collective as `backend` runs it: gloo implements reduce-scatter as an all-reduce of the whole
-    input (the profiler records gloo:all_reduce), which sends twice what NCCL's ring reduce-scatter does."""
-    return wire_bytes("all_reduce" if backend == "gloo" and kind == "reduce_scatter" else kind, payload, n)
-
-
-def parameter_counts(config, tp=1):
-    """{name: elements one tensor-parallel rank holds}: train_tp.py's sliced tensors (vocabulary rows of wte, column
-    slices of q, k, v, fc with their biases, row slices of the two projections) hold 1/tp; the rest is replicated."""
-    with torch.device("meta"):
-        named = list(gpt.GPT(config).named_parameters())
-    return {name: p.numel() // tp if plan.TENSOR_PARALLEL_SLICED.search(name) else p.numel() for name, p in named}
-
-
-def fsdp_flats(counts):
-    """The elements of each FlatParameter of train_fsdp.py, per unit: the root (wte, wpe, ln_f) and each block, one
-    flat buffer of its matrices (weight decay) and one of its vectors."""
-    units = {}
-    for name, count in counts.items():
-        unit = re.match(r"blocks\.\d+", name)
-        kind = not (name.endswith("bias") or ".ln_" in name or name.startswith("ln_"))  # matrices: 2-D
-        flats = units.setdefault(unit.group() if unit else "root", {})
-        flats[kind] = flats.get(kind, 0) + count
-    return {unit: list(flats.values()) for unit, flats in units.items()}
-
-
-def ddp_buckets(config, bucket_mb):
-    """How many gradient buckets train_ddp.DataParallel makes: float32 gradients in reverse registration order, the
-    first bucket capped at FIRST_BUCKET_MB (1 MiB), the others at bucket_mb."""
-    buckets, size = 0, 0
-    for count in reversed(parameter_counts(config).values()):
-        cap = min(bucket_mb, 1) if buckets == 0 else bucket_mb
-        if size and size + 4 * count > cap * 2**20:
-            buckets, size = buckets + 1, 0
-        size += 4 * count
-    return buckets + (size > 0)
-
-
-def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float32", backend="gloo", tp=1, dp=1,
-                 sequence_parallel=False, loss_parallel=True, reshard=True, bucket_mb=25):
-    """[Term]: every collective one optimizer step of `strategy` (ddp, fsdp, tp, 2d) runs on one rank, with the bytes
-    that rank sends (ring algorithms, on `backend`), over `dp` data-parallel and `tp` tensor-parallel ranks. The
-    broadcast that makes DDP's replicas equal and the fingerprint check run once at start, not per step."""
-    micro_batch = micro_batch or global_batch // dp
-    steps = global_batch // (micro_batch * dp)  # micro-steps an optimizer step
-    compute = 2 if dtype == "bfloat16" else 4
-    terms = []
-    if strategy == "ddp":
-        gradient_bytes = 4 * sum(parameter_counts(config).values())
-        terms.append(Term("gradient buckets, during the last micro-step's backward", "all_reduce", "dp",
-                          ddp_buckets(config, bucket_mb), sent("all_reduce", gradient_bytes, dp, backend)))
-    if strategy in ("tp", "2d"):
-        L, tokens = config.n_layer, micro_batch * config.block_size
-        activation = tokens * config.n_embd  # elements of one [micro batch, sequence, hidden] activation
-        # Under bf16 autocast the projections' partial products are bf16; the embedding's output, the layer norms'
-        # outputs (whose gradients f reduces) and the loss stay float32.
-        if sequence_parallel:
-            for what, kind, count, size in [
-                    ("embedding output, forward (g)", "reduce_scatter", 1, 4),
-                    ("attention and MLP partial products, forward (g)", "reduce_scatter", 2 * L, compute),
-                    ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + 1, 4),
-                    ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + 1, 4),
-                    ("partial products' gradients, backward (g)", "all_gather", 2 * L, compute),
-                    ("embedding output's gradient, backward (g)", "all_gather", 1, 4)]:
-                payload = size * activation // (tp if kind == "all_gather" else 1)  # all-gathers send their shard
-                terms.append(Term(what, kind, "tp", steps * count, steps * count * sent(kind, payload, tp, backend)))
-        else:
-            for what, count, size in [("embedding output, forward (g)", 1, 4),
-                                      ("attention and MLP partial products, forward (g)", 2 * L, compute),
-                                      ("layer norm outputs' gradients, backward (f, f of the LM head)", 2 * L + 1, 4)]:
-                terms.append(Term(what, "all_reduce", "tp", steps * count,
-                                  steps * count * sent("all_reduce", size * activation, tp, backend)))
-        if loss_parallel:  # each token's max logit, then its sum of exponentials and target logit, in float32
-            terms.append(Term("vocab-parallel loss, per token", "all_reduce", "tp", 2 * steps,
-                              steps * sent("all_reduce", 3 * 4 * tokens, tp, backend)))
-        else:
-            logits = tokens * config.padded_vocab_size // tp
-            terms.append(Term("logits' vocabulary slices, forward", "all_gather", "tp", steps,
-                              steps * sent("all_gather", compute * logits, tp, backend)))
-        if sequence_parallel:  # one flat all-reduce of the replicated parameters' gradients (an FSDP shard of them)
-            replicated = sum(n for name, n in parameter_counts(config).items()
-                             if not plan.TENSOR_PARALLEL_SLICED.search(name))
-            terms.append(Term("replicated parameters' gradients (norms, biases, wpe)", "all_reduce", "tp", 1,
-                              sent("all_reduce", 4 * replicated / dp, tp, backend)))
-    if strategy in ("fsdp", "2d"):
-        flats = fsdp_flats(parameter_counts(config, tp))
-        gathers, gathered, scatters, scattered = 0, 0, 0, 0
-        for unit, sizes in flats.items():
-            times = 1 if unit == "root" or not reshard else 2  # the root stays gathered from forward to backward
-            for size in sizes:
-                shard = -(-size // dp)
-                gathers, gathered = gathers + times, gathered + times * sent("all_gather", compute * shard, dp, backend)
-                scatters, scattered = scatters + 1, scattered + sent("reduce_scatter", 4 * shard * dp, dp, backend)
-        terms += [Term("each unit's weights, before its forward and again before its backward", "all_gather", "dp",
-                       steps * gathers, steps * gathered),
-                  Term("each unit's float32 gradient, as its backward ends", "reduce_scatter", "dp", steps * scatters,
-                       steps * scattered)]
-    if strategy in ("fsdp", "tp", "2d"):  # the gradient norm's sum of squares; train_2d.py reduces it over every rank
-        terms.append(Term("gradient norm", "all_reduce", "world", 1, sent("all_reduce", 4, tp * dp, backend)))
-    if strategy in ("ddp", "fsdp", "2d"):  # TP peers hold the whole batch's loss already
-        terms.append(Term("the logged loss", "all_reduce", "dp", 1, sent("all_reduce", 4, dp, backend)))
-    return terms
-
-
-# ------------------------------------------------------------------------------------------------------------
 # The worker: runs inside each torchrun rank, wraps the script's main() with a profiler over one step
 
 
@@ -311,8 +184,9 @@ def strategies(args):
     meta = prepare_data.ensure_data(args.data, is_writer=True)
     config = gpt.make_config(args.model, meta["vocab_size"], args.block_size)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    formula = lambda strategy, **layout: lambda: comm_formula(  # noqa: E731
-        strategy, config, args.global_batch, dtype=args.dtype, backend=backend, bucket_mb=args.bucket_mb, **layout)
+    formula = lambda strategy, **layout: lambda: plan.comm_formula(  # noqa: E731
+        strategy, config, args.global_batch, dtype=args.dtype, backend=backend, bucket_mb=args.bucket_mb,
+        buckets=train_ddp.assign_buckets, **STRATEGY_CODE, **layout)
     sequence_parallel = ["--sequence_parallel"] * args.sequence_parallel  # --sequence_parallel: tp and 2d with it
     return {
         "single": ("train_single.py", 1, [], [None], 1, lambda: []),
@@ -362,7 +236,7 @@ def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, t
             # before the last step: the profiler's records and the final checkpoint's gathers are not the strategy's
             "peak_mem_mb": max(r["peak_mem_mb"] for r in records if r["step"] < args.steps - 1),
             "mfu": timed[-1]["mfu"],
-            "comm_bytes": sum(wire_bytes(c["kind"], c["bytes"], group_size) for c in collectives),
+            "comm_bytes": sum(plan.wire_bytes(c["kind"], c["bytes"], group_size) for c in collectives),
             "collectives": len(collectives)}
 
 
@@ -425,39 +299,6 @@ def checkpointing_cost(args, table, chosen, tmp):
     return rows
 
 
-FITS_PRESETS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-125m", "gpt3-350m", "gpt3-760m", "gpt3-1.3b",
-                "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b"]
-
-
-def what_fits(args):
-    """--what_fits: for each preset, the first layout on 8 and on 64 GPUs of --gpu_memory GB that the memory planner
-    (plan.plan_memory) says fits one rank, without and with activation checkpointing, in the order DDP, FSDP,
-    then FSDP x tensor parallelism (with sequence parallelism) of degree 2, 4, 8: a markdown table. GPT-2's vocabulary,
-    its context (1024) for GPT-2, GPT-3's (2048) for GPT-3, --micro_batch sequences a rank, bfloat16 on CUDA."""
-    print(f"| model | parameters | context | {' | '.join(f'{n} GPUs{ac}' for n in (8, 64) for ac in ('', ', AC'))} |")
-    print("| --- | --- | --- |" + " --- |" * 4)
-    for preset in FITS_PRESETS:
-        config = gpt.make_config(preset, 50257, 2048 if preset.startswith("gpt3") else 1024)
-        with torch.device("meta"):
-            parameters = gpt.GPT(config).num_params()
-        cells = []
-        for gpus in (8, 64):
-            for checkpointing in (False, True):
-                cells.append("none")
-                for strategy, tp in [("ddp", 1), ("fsdp", 1), ("2d", 2), ("2d", 4), ("2d", 8)]:
-                    if config.n_head % tp:
-                        continue
-                    layout = plan.Layout(strategy, gpus, gpus // tp, tp, args.micro_batch, "bfloat16",
-                                             sequence_parallel=tp > 1, activation_checkpointing=checkpointing)
-                    total = sum(size for _, size in plan.plan_memory(config, layout))
-                    if total <= args.gpu_memory * 1e9:
-                        name = strategy if tp == 1 else f"fsdp {gpus // tp} x tp {tp}"
-                        cells[-1] = f"{name} ({total / 1e9:.1f} GB)"
-                        break
-        size = f"{parameters / 1e9:.1f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
-        print(f"| {preset} | {size} | {config.block_size} | {' | '.join(cells)} |")
-
-
 GPU_CHECK_TOLERANCE = 2e-2  # bf16 autocast against float32: measured ~1e-3 relative on the tiny model's losses
 
 
@@ -515,7 +356,7 @@ def gpu_check(args, tmp):
     return {"rows": rows, "throughput": throughput, "device": name}
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=training.HelpFormatter)
     p.add_argument("--strategies", default="single,ddp,fsdp,tp,2d", help="comma-separated strategies to run")
     p.add_argument("--model", default="tiny", choices=list(gpt.PRESETS), help="model size, from gpt.py's presets")
@@ -540,18 +381,18 @@ def main():
     p.add_argument("--checkpointing", action="store_true",
                    help="what --activation_checkpointing costs and saves: each strategy (ours) without and with it")
     p.add_argument("--what_fits", action="store_true",
-                   help="print the table of the smallest layout that fits each preset on 8 and 64 GPUs (no runs)")
+                   help="print plan.what_fits's table: the smallest layout for each preset on 8 and 64 GPUs (no runs)")
     p.add_argument("--gpu_memory", type=float, default=80, help="--what_fits: one GPU's memory, in GB (10^9 bytes)")
     p.add_argument("--micro_batch", type=int, default=1, help="--what_fits: sequences per GPU per micro-step")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--profile_step", type=int, help=argparse.SUPPRESS)
     p.add_argument("--comms_out", help=argparse.SUPPRESS)
-    args, rest = p.parse_known_args()
+    args, rest = p.parse_known_args(argv)
     if args.worker:
         return worker(args.worker, rest[1:] if rest[:1] == ["--"] else rest, args.profile_step, args.comms_out)
 
     if args.what_fits:
-        return what_fits(args)
+        return plan.what_fits(args.gpu_memory, args.micro_batch, **STRATEGY_CODE)
     if args.gpu_check:
         with tempfile.TemporaryDirectory() as tmp:
             result = gpu_check(args, tmp)

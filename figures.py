@@ -7,7 +7,7 @@ The README's figures, drawn from real runs. Needs matplotlib, an optional extra 
 losses.png      the training loss of single, DDP, FSDP, TP with sequence parallelism and 2-D over the same run
                 (the default run: 300 steps), overlaid, and each layout's |difference| from single, log scale
 comm_bytes.png  the bytes one rank sends per step through collectives: measured by bench.py (ours and PyTorch's),
-                against bench.comm_formula, stacked by the formula's collectives
+                against plan.comm_formula, stacked by the formula's collectives
 memory.png      memory per rank of GPT-2 124M on 8 GPUs by strategy, stacked by kind (plan.plan_memory, the
                 planner that --plan prints and the tests hold to real runs)
 layout_*.png    who holds what: every rank's part of each tensor of a 1-layer model, as the scripts build it,
@@ -33,6 +33,7 @@ import checkpoint
 import gpt
 import plan
 import prepare_data
+import train_ddp
 import training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -132,10 +133,14 @@ def memory_rows(micro_batch=8):
     """{label: [(item, bytes)]}: plan.plan_memory of one rank for GPT-2 124M on 8 GPUs, bf16, block 1024, each
     layout without and with activation checkpointing (AC)."""
     config = gpt.make_config("gpt2", 50257, 1024)
-    return {label + "\n+ AC" * checkpointing: [(item, int(size)) for item, size in plan.plan_memory(
-        config, plan.Layout(world_size=8, micro_batch=micro_batch, dtype="bfloat16",
-                                activation_checkpointing=checkpointing, **layout))]
-        for label, layout in MEMORY_LAYOUTS for checkpointing in (False, True)}
+    rows = {}
+    for label, strategy in MEMORY_LAYOUTS:
+        for checkpointing in (False, True):
+            layout = plan.Layout(world_size=8, micro_batch=micro_batch, dtype="bfloat16",
+                                 activation_checkpointing=checkpointing, **strategy)
+            planned = plan.plan_memory(config, layout, **bench.STRATEGY_CODE)
+            rows[label + "\n+ AC" * checkpointing] = [(item, int(size)) for item, size in planned]
+    return rows
 
 
 def draw_memory(plt, rows, path):
@@ -337,7 +342,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         parts = layout_parts(tmp)
         for strategy, ranks in parts.items():
-            terms = bench.comm_formula(strategy, LAYOUT_CONFIG, 8, **LAYOUT_TITLES[strategy][1])
+            terms = plan.comm_formula(strategy, LAYOUT_CONFIG, 8, buckets=train_ddp.assign_buckets,
+                                      **bench.STRATEGY_CODE, **LAYOUT_TITLES[strategy][1])
             draw_layout(plt, strategy, ranks, terms, os.path.join(args.out_dir, f"layout_{strategy}.png"))
         if args.replot:  # the numbers of the last full run: only the drawing changes
             with open(os.path.join(args.out_dir, "figures.json")) as f:

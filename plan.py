@@ -1,12 +1,17 @@
 """
-The memory planner (--plan): the bytes one rank holds, item by item, from the config and the layout alone. The model
-is built on meta (no memory, seconds for 175B); test_parallel.py holds the plan to what real runs hold: parameters,
-gradients and AdamW state to the byte, the tensors autograd saves for backward within 10%. Imported only where it is
-used: a script's --plan, bench.py and figures.py.
+The memory planner (--plan), the collective formulas and what fits where: what one rank of a layout holds, item by
+item, and what it sends through collectives each step, from the config and the layout alone. The model is built
+on meta (no memory, seconds for 175B). test_parallel.py holds both to real runs: parameters, gradients and AdamW
+state to the byte, the tensors autograd saves for backward within 10%, the bytes each step sends within 1%.
+Imported only where it is used: a script's --plan, bench.py and figures.py.
+
+What a strategy builds is read from the strategy's own code, which the caller passes in (this file stands below the
+training scripts and imports none of them): sliced=train_tp.is_sliced (what tensor parallelism splits),
+units=train_fsdp.flat_parameter_groups (FSDP's units and FlatParameters), buckets=train_ddp.assign_buckets (DDP's
+gradient buckets).
 """
 
 import os
-import re
 from dataclasses import asdict
 from typing import NamedTuple
 
@@ -38,40 +43,58 @@ def layout_of(args, world_size, dp_size, micro_batch, device):
                   args.activation_checkpointing, not getattr(args, "no_reshard", False), device)
 
 
-# Tensor parallelism slices these (train_tp.py): q, k, v and fc by output rows (weight and bias), both projections'
-# weights by input columns, the embedding by vocabulary rows; layer norms, wpe and the projections' biases are whole.
-TENSOR_PARALLEL_SLICED = re.compile(r"^wte\.weight$|\.(query|key|value|fc)\.(weight|bias)$|\.proj\.weight$")
+# ------------------------------------------------------------------------------------------------------------
+# What the strategies build, counted on meta with their own functions
+
+_models_on_meta = {}
 
 
-_parameters_on_meta = {}
-
-
-def parameters_on_meta(config):
-    """gpt.GPT(config)'s named parameters, built on meta once per config: a plan reads only their shapes."""
+def model_on_meta(config):
+    """gpt.GPT(config), built on meta once per config: a plan reads only the shapes of its parameters."""
     key = tuple(asdict(config).items())
-    if key not in _parameters_on_meta:
+    if key not in _models_on_meta:
         with torch.device("meta"):
-            _parameters_on_meta[key] = list(gpt.GPT(config).named_parameters())
-    return _parameters_on_meta[key]
+            _models_on_meta[key] = gpt.GPT(config)
+    return _models_on_meta[key]
 
 
-def parameter_plan(config, layout):
+def local_sizes(config, tp=1, sliced=None):
+    """{name: elements one tensor-parallel rank holds}: 1/tp of each parameter that sliced(name) says TP splits."""
+    if tp > 1 and sliced is None:
+        raise ValueError("a tensor-parallel layout needs the strategy's own rule: pass sliced=train_tp.is_sliced")
+    sizes = {}
+    for name, param in model_on_meta(config).named_parameters():
+        sizes[name] = param.numel() // tp if tp > 1 and sliced(name) else param.numel()
+    return sizes
+
+
+def flat_sizes(config, tp=1, sliced=None, units=None):
+    """[[elements of each FlatParameter] for each FSDP unit, the root first]: units(model) groups the parameters as
+    FSDP does; each FlatParameter holds this tensor-parallel rank's part of its group, before padding."""
+    if units is None:
+        raise ValueError("an FSDP layout needs the strategy's own units: pass units=train_fsdp.flat_parameter_groups")
+    sizes = local_sizes(config, tp, sliced)
+    flats = []
+    for kinds in units(model_on_meta(config)):
+        flats.append([sum(sizes[name] for name, _, _ in group) for group in kinds.values()])
+    return flats
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Memory: what one rank holds at its peak
+
+
+def parameter_plan(config, layout, sliced=None, units=None):
     """(elements of parameters this rank keeps, tensors its optimizer steps, elements of the largest gathered block
     unit and of the gathered root unit (FSDP), elements autocast copies to bfloat16 (the matmuls' weights and
-    biases)): what the strategies build, counted on meta."""
-    units, tensors, cast = {}, 0, 0  # units: FSDP's unit ("" the root, or a block) -> {is a matrix: elements}
-    for name, param in parameters_on_meta(config):
-        local = param.numel() // (layout.tp if TENSOR_PARALLEL_SLICED.search(name) else 1)
-        kinds = units.setdefault(".".join(name.split(".")[:2]) if name.startswith("blocks.") else "", {})
-        kinds[param.dim() >= 2] = kinds.get(param.dim() >= 2, 0) + local
-        tensors += 1
-        cast += local if not (".ln_" in name or name.startswith(("ln_f", "wpe"))) else 0
+    biases))."""
+    sizes = local_sizes(config, layout.tp, sliced)
+    cast = sum(n for name, n in sizes.items() if not (".ln_" in name or name.startswith(("ln_f", "wpe"))))
     if layout.strategy not in ("fsdp", "2d"):
-        return sum(n for kinds in units.values() for n in kinds.values()), tensors, 0, 0, cast
-    shards = {unit: [-(-n // layout.dp) for n in kinds.values()] for unit, kinds in units.items()}  # padded to dp
-    gathered = {unit: sum(sizes) * layout.dp for unit, sizes in shards.items()}
-    return (sum(map(sum, shards.values())), sum(map(len, shards.values())),
-            max(size for unit, size in gathered.items() if unit), gathered[""], 0)
+        return sum(sizes.values()), len(sizes), 0, 0, cast
+    shards = [[-(-n // layout.dp) for n in unit] for unit in flat_sizes(config, layout.tp, sliced, units)]
+    gathered = [sum(unit) * layout.dp for unit in shards]  # each shard padded to the same length
+    return sum(map(sum, shards)), sum(map(len, shards)), max(gathered[1:]), gathered[0], 0
 
 
 def activation_plan(config, layout):
@@ -107,10 +130,11 @@ def activation_plan(config, layout):
     return items, (block if layout.activation_checkpointing else 0)
 
 
-def plan_memory(config, layout):
+def plan_memory(config, layout, sliced=None, units=None):
     """[(item, bytes)] one rank holds at its peak in this layout: what lives all run, one micro-batch's saved
-    activations, and what exists at once during a step (gathered units, logits and their gradient)."""
-    params, tensors, unit, root, cast = parameter_plan(config, layout)
+    activations, and what exists at once during a step (gathered units, logits and their gradient). sliced and units:
+    the strategies' own functions, for layouts with tensor parallelism and FSDP."""
+    params, tensors, unit, root, cast = parameter_plan(config, layout, sliced, units)
     activations, recompute = activation_plan(config, layout)
     e = 2 if layout.dtype == "bfloat16" else 4
     fsdp = layout.strategy in ("fsdp", "2d")
@@ -131,10 +155,134 @@ def plan_memory(config, layout):
     if fsdp:
         units = config.n_layer if not layout.reshard else 2  # the one computing and the one prefetched
         rows.append((f"gathered weights: the root and {units} block units ({layout.dtype})", e * (root + units * unit)))
-        rows.append(("a block unit's gradient being reduce-scattered (and its float32 copy)",
+        rows.append(("a block unit's gradient, reduce-scattered" + " (and its float32 copy)" * (e == 2),
                      4 * unit + (2 * unit if e == 2 else 0)))
     rows.append(("logits and their gradient", logits * (e + 4)))
     return rows
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Communication: every collective one optimizer step of each strategy runs, as the code runs it
+
+
+def wire_bytes(kind, payload, n):
+    """Bytes one rank sends in a ring implementation: all-reduce 2(N-1)/N of the tensor, all-gather (N-1)x its
+    input shard, reduce-scatter and all-to-all (N-1)/N of their input, broadcast, reduce and point-to-point the
+    tensor, a barrier nothing worth counting."""
+    if n == 1 or kind == "barrier":
+        return 0
+    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "reduce_scatter": (n - 1) / n,
+               "all_to_all": (n - 1) / n}
+    return factors.get(kind, 1) * payload
+
+
+def sent(kind, payload, n, backend):
+    """wire_bytes of a collective as `backend` runs it: gloo implements reduce-scatter as an all-reduce of the whole
+    input (the profiler records gloo:all_reduce), which sends twice what NCCL's ring reduce-scatter does."""
+    return wire_bytes("all_reduce" if backend == "gloo" and kind == "reduce_scatter" else kind, payload, n)
+
+
+class Term(NamedTuple):
+    """One kind of collective in a step: what it moves, its kind and group, how many run a step, and the bytes one
+    rank sends through them a step."""
+    what: str
+    kind: str
+    group: str
+    count: int
+    bytes: float
+
+
+def tensor_parallel_terms(config, tokens, steps, compute, tp, backend, sequence_parallel, loss_parallel):
+    """[Term] of Megatron's f and g and the vocab-parallel loss over `tokens` a micro-step, `steps` micro-steps.
+    Under bf16 autocast the projections' partial products are bf16; the embedding's output, the layer norms'
+    outputs (whose gradients f reduces) and the loss stay float32."""
+    L, activation = config.n_layer, tokens * config.n_embd  # elements of one [micro batch, sequence, hidden]
+    if sequence_parallel:
+        collectives = [
+            ("embedding output, forward (g)", "reduce_scatter", 1, 4),
+            ("attention and MLP partial products, forward (g)", "reduce_scatter", 2 * L, compute),
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + 1, 4),
+            ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + 1, 4),
+            ("partial products' gradients, backward (g)", "all_gather", 2 * L, compute),
+            ("embedding output's gradient, backward (g)", "all_gather", 1, 4)]
+    else:
+        collectives = [
+            ("embedding output, forward (g)", "all_reduce", 1, 4),
+            ("attention and MLP partial products, forward (g)", "all_reduce", 2 * L, compute),
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "all_reduce", 2 * L + 1, 4)]
+    terms = []
+    for what, kind, count, size in collectives:
+        payload = size * activation // (tp if kind == "all_gather" else 1)  # an all-gather sends its shard
+        terms.append(Term(what, kind, "tp", steps * count, steps * count * sent(kind, payload, tp, backend)))
+    if loss_parallel:  # each token's max logit, then its sum of exponentials and target logit, in float32
+        terms.append(Term("vocab-parallel loss, per token", "all_reduce", "tp", 2 * steps,
+                          steps * sent("all_reduce", 3 * 4 * tokens, tp, backend)))
+    else:
+        logits = tokens * config.padded_vocab_size // tp
+        terms.append(Term("logits' vocabulary slices, forward", "all_gather", "tp", steps,
+                          steps * sent("all_gather", compute * logits, tp, backend)))
+    return terms
+
+
+def fsdp_terms(config, steps, compute, tp, dp, backend, reshard, sliced, units):
+    """[Term] of FSDP's all-gathers and reduce-scatters, one of each per FlatParameter a micro-step, and a second
+    all-gather of a block unit before its backward (the root stays gathered from forward to backward)."""
+    gathers, gathered, scatters, scattered = 0, 0, 0, 0
+    for index, unit in enumerate(flat_sizes(config, tp, sliced, units)):
+        times = 1 if index == 0 or not reshard else 2
+        for size in unit:
+            shard = -(-size // dp)
+            gathers += times
+            gathered += times * sent("all_gather", compute * shard, dp, backend)
+            scatters += 1
+            scattered += sent("reduce_scatter", 4 * shard * dp, dp, backend)
+    return [Term("each unit's weights, before its forward and again before its backward", "all_gather", "dp",
+                 steps * gathers, steps * gathered),
+            Term("each unit's float32 gradient, as its backward ends", "reduce_scatter", "dp", steps * scatters,
+                 steps * scattered)]
+
+
+def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float32", backend="gloo", tp=1, dp=1,
+                 sequence_parallel=False, loss_parallel=True, reshard=True, bucket_mb=25, sliced=None, units=None,
+                 buckets=None):
+    """[Term]: every collective one optimizer step of `strategy` (ddp, fsdp, tp, 2d) runs on one rank, with the bytes
+    that rank sends (ring algorithms, on `backend`), over `dp` data-parallel and `tp` tensor-parallel ranks. The
+    broadcast that makes DDP's replicas equal and the fingerprint check run once at start, not per step. sliced,
+    units and buckets: the strategies' own functions (train_tp.is_sliced, train_fsdp.flat_parameter_groups,
+    train_ddp.assign_buckets)."""
+    micro_batch = micro_batch or global_batch // dp
+    steps = global_batch // (micro_batch * dp)  # micro-steps an optimizer step
+    compute = 2 if dtype == "bfloat16" else 4
+    terms = []
+    if strategy == "ddp":
+        if buckets is None:
+            raise ValueError("a DDP layout needs the strategy's own buckets: pass buckets=train_ddp.assign_buckets")
+        named = list(model_on_meta(config).named_parameters())
+        gradient_bytes = 4 * sum(local_sizes(config).values())
+        terms.append(Term("gradient buckets, during the last micro-step's backward", "all_reduce", "dp",
+                          len(buckets(named, bucket_mb)), sent("all_reduce", gradient_bytes, dp, backend)))
+    if strategy in ("tp", "2d"):
+        terms += tensor_parallel_terms(config, micro_batch * config.block_size, steps, compute, tp, backend,
+                                       sequence_parallel, loss_parallel)
+        if sequence_parallel:  # one flat all-reduce of the replicated parameters' gradients (an FSDP shard of them)
+            sizes = local_sizes(config, tp, sliced)
+            replicated = sum(n for name, n in sizes.items() if not sliced(name))
+            terms.append(Term("replicated parameters' gradients (norms, biases, wpe)", "all_reduce", "tp", 1,
+                              sent("all_reduce", 4 * replicated / dp, tp, backend)))
+    if strategy in ("fsdp", "2d"):
+        terms += fsdp_terms(config, steps, compute, tp, dp, backend, reshard, sliced, units)
+    if strategy in ("fsdp", "tp", "2d"):  # the gradient norm's sum of squares; train_2d.py reduces it over every rank
+        terms.append(Term("gradient norm", "all_reduce", "world", 1, sent("all_reduce", 4, tp * dp, backend)))
+    if strategy in ("ddp", "fsdp", "2d"):  # TP peers hold the whole batch's loss already
+        terms.append(Term("the logged loss", "all_reduce", "dp", 1, sent("all_reduce", 4, dp, backend)))
+    if strategy in ("ddp", "2d"):  # training.StopRequest: the ranks agree whether to stop after this step
+        terms.append(Term("whether a rank was asked to stop", "all_reduce", "world", 1,
+                          sent("all_reduce", 4, tp * dp, backend)))
+    return terms
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --plan's printout, and what fits where
 
 
 def format_bytes(size):
@@ -164,24 +312,25 @@ def plan_config(args):
     if os.path.exists(os.path.join(args.data, "meta.json")):
         vocab_size = prepare_data.load_meta(args.data)["vocab_size"]
     else:
-        vocab_size = 256 if args.data == training.DEFAULT_DATA_DIR else 50257
+        vocab_size = 256 if args.data == prepare_data.DEFAULT_DATA_DIR else 50257
     preset = args.model or (args.init_from if args.init_from in gpt.PRESETS else "tiny")
     return gpt.make_config(preset, vocab_size, args.block_size, args.dropout), preset
 
 
-def print_plan(args, world_size, dp_size):
-    """--plan: print what one rank of this layout needs, item by item, and whether it fits in --gpu_memory."""
+def print_plan(args, world_size, dp_size, sliced=None, units=None):
+    """--plan: print what one rank of this layout needs, item by item, and whether it fits in --gpu_memory. sliced
+    and units: train_tp.is_sliced and train_fsdp.flat_parameter_groups, from the scripts that use them."""
     config, preset = plan_config(args)
     if args.micro_batch is None and args.global_batch % dp_size:
-        raise training.UsageError(f"--global_batch {args.global_batch} does not split over {dp_size} data-parallel ranks: "
-                         f"choose a multiple of {dp_size}")
+        raise prepare_data.UsageError(f"--global_batch {args.global_batch} does not split over {dp_size} "
+                                      f"data-parallel ranks: choose a multiple of {dp_size}")
     layout = layout_of(args, world_size, dp_size, args.micro_batch or args.global_batch // dp_size,
                        "cpu" if args.device == "cpu" else "cuda")
     if layout.tp > 1:
         training.check_tensor_parallel(config, layout.tp, layout.sequence_parallel)
-    rows = plan_memory(config, layout)
+    rows = plan_memory(config, layout, sliced, units)
     total = sum(size for _, size in rows)
-    num_params = sum(param.numel() for _, param in parameters_on_meta(config))
+    num_params = model_on_meta(config).num_params()
     size = f"{num_params / 1e9:,.1f}B" if num_params >= 1e9 else f"{num_params / 1e6:,.1f}M"
     say = print if training.launched_rank()[0] == 0 else lambda text: None  # under torchrun, once
     say(f"plan: {preset} ({size} parameters, vocabulary {config.vocab_size:,}) | {layout.strategy}"
@@ -193,3 +342,38 @@ def print_plan(args, world_size, dp_size):
         say(f"  {item:66} {format_bytes(size):>11}")
     say(plan_verdict(total, args.gpu_memory, layout, rows))
     return rows
+
+
+FITS_PRESETS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-125m", "gpt3-350m", "gpt3-760m", "gpt3-1.3b",
+                "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b"]
+FITS_LAYOUTS = [("ddp", 1), ("fsdp", 1), ("2d", 2), ("2d", 4), ("2d", 8)]  # (strategy, tp), in the order tried
+
+
+def first_fit(config, gpus, micro_batch, checkpointing, gpu_memory, sliced, units):
+    """The first of FITS_LAYOUTS on `gpus` GPUs that fits one rank in gpu_memory GB, as a table cell."""
+    for strategy, tp in FITS_LAYOUTS:
+        if config.n_head % tp:
+            continue
+        layout = Layout(strategy, gpus, gpus // tp, tp, micro_batch, "bfloat16", sequence_parallel=tp > 1,
+                        activation_checkpointing=checkpointing)
+        total = sum(size for _, size in plan_memory(config, layout, sliced, units))
+        if total <= gpu_memory * 1e9:
+            name = strategy if tp == 1 else f"fsdp {gpus // tp} x tp {tp}"
+            return f"{name} ({total / 1e9:.1f} GB)"
+    return "none"
+
+
+def what_fits(gpu_memory, micro_batch, sliced, units):
+    """For each preset, the first layout on 8 and on 64 GPUs of gpu_memory GB that the planner says fits one rank,
+    without and with activation checkpointing, in the order DDP, FSDP, then FSDP x tensor parallelism (with
+    sequence parallelism) of degree 2, 4, 8: a markdown table. GPT-2's vocabulary, its context (1024) for GPT-2,
+    GPT-3's (2048) for GPT-3, micro_batch sequences a rank, bfloat16 on CUDA. bench.py --what_fits prints it."""
+    print(f"| model | parameters | context | {' | '.join(f'{n} GPUs{ac}' for n in (8, 64) for ac in ('', ', AC'))} |")
+    print("| --- | --- | --- |" + " --- |" * 4)
+    for preset in FITS_PRESETS:
+        config = gpt.make_config(preset, 50257, 2048 if preset.startswith("gpt3") else 1024)
+        cells = [first_fit(config, gpus, micro_batch, checkpointing, gpu_memory, sliced, units)
+                 for gpus in (8, 64) for checkpointing in (False, True)]
+        parameters = model_on_meta(config).num_params()
+        size = f"{parameters / 1e9:.1f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
+        print(f"| {preset} | {size} | {config.block_size} | {' | '.join(cells)} |")

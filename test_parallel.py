@@ -1396,22 +1396,22 @@ def test_bench_measures_what_checkpointing_saves(corpus, tmp_path):
     for row, (dp, micro_batch) in zip(json.loads(result_path.read_text()), [(1, 16), (2, 8)]):
         for checkpointing, run in ((False, row["without"]), (True, row["activation_checkpointing"])):
             layout = plan.Layout(row["strategy"], dp, dp, 1, micro_batch, activation_checkpointing=checkpointing)
-            planned = sum(size for item, size in plan.plan_memory(config, layout)
+            planned = sum(size for item, size in plan.plan_memory(config, layout, **bench.STRATEGY_CODE)
                           if item.startswith(("activations", "embeddings", "loss")))
             assert run["activation_bytes"] == pytest.approx(planned, rel=1e-3) and run["tokens_per_s"] > 0
 
 
-def test_bench_what_fits_prints_the_planners_table(capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["bench.py", "--what_fits", "--micro_batch", "8"])
-    bench.main()
+def test_bench_what_fits_prints_the_planners_table(capsys):
+    """python bench.py --what_fits: plan.what_fits's table, with the strategies' own units and slices."""
+    bench.main(["--what_fits", "--micro_batch", "8"])
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| model | parameters | context | 8 GPUs | 8 GPUs, AC | 64 GPUs | 64 GPUs, AC |")
     rows = {line.split(" | ")[0].strip("| "): line for line in table[2:]}
-    assert set(rows) == set(bench.FITS_PRESETS)
+    assert set(rows) == set(plan.FITS_PRESETS)
     assert "| gpt2 | 124M | 1024 | ddp (" in rows["gpt2"] and rows["gpt3-175b"].count("none") == 3
 
 
-COMM_LAYOUTS = {  # bench.py's name -> (script, ranks, flags, comm_formula's layout); accumulation 2 where it can be
+COMM_LAYOUTS = {  # bench.py's name -> (script, ranks, flags, plan.comm_formula's layout); accumulation 2 if it can
     "ddp": ("train_ddp.py", 2, ["--micro_batch", "2"], dict(dp=2, micro_batch=2)),
     "fsdp": ("train_fsdp.py", 2, ["--micro_batch", "2"], dict(dp=2, micro_batch=2)),
     "tp": ("train_tp.py", 2, ["--micro_batch", "4"], dict(tp=2, micro_batch=4)),
@@ -1433,7 +1433,8 @@ def test_bench_formula_counts_every_collective(strategy, corpus, tmp_path):
     args = argparse.Namespace(model="tiny", data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
                               dtype="float32", compile=False, threads=1)
     row = bench.run_once(args, strategy, script, ranks, extra, "ours", 2, 8, str(tmp_path))
-    terms = bench.comm_formula(strategy.split("_")[0], gpt.make_config("tiny", 256, 32), 8, backend="gloo", **layout)
+    terms = plan.comm_formula(strategy.split("_")[0], gpt.make_config("tiny", 256, 32), 8, backend="gloo",
+                              buckets=train_ddp.assign_buckets, **bench.STRATEGY_CODE, **layout)
     assert row["collectives"] == sum(term.count for term in terms), terms
     assert row["comm_bytes"] == pytest.approx(sum(term.bytes for term in terms), rel=0.01), terms
 
@@ -1473,8 +1474,8 @@ def test_bench_classifies_collectives_of_both_backends():
     assert {name: bench.collective_kind(name) for name in names} == names
     with pytest.raises(ValueError, match="cannot classify"):
         bench.collective_kind("nccl:all_permute")
-    assert bench.wire_bytes("all_reduce", 100, 4) == 150 and bench.wire_bytes("all_gather", 100, 4) == 300
-    assert bench.wire_bytes("reduce_scatter", 100, 4) == 75 and bench.wire_bytes("barrier", 4, 4) == 0
+    assert plan.wire_bytes("all_reduce", 100, 4) == 150 and plan.wire_bytes("all_gather", 100, 4) == 300
+    assert plan.wire_bytes("reduce_scatter", 100, 4) == 75 and plan.wire_bytes("barrier", 4, 4) == 0
 
 
 @launches_its_own_ranks
@@ -2748,7 +2749,8 @@ def test_plan_matches_what_a_run_holds(corpus, shared_tmp, layout, dtype, checkp
     assert all(rank == held[0] for rank in held)  # every rank of these layouts holds alike
     micro_batch = 2
     rows = dict(plan.plan_memory(gpt.make_config("tiny", 256, 32), plan.Layout(
-        strategy, ranks, dp, tp, micro_batch, dtype, activation_checkpointing=checkpointing, device="cpu", **options)))
+        strategy, ranks, dp, tp, micro_batch, dtype, activation_checkpointing=checkpointing, device="cpu", **options),
+        sliced=train_tp.is_sliced, units=train_fsdp.flat_parameter_groups))
     planned = lambda prefix: sum(size for item, size in rows.items() if item.startswith(prefix))  # noqa: E731
     assert (planned("parameters"), planned("gradients"), planned("AdamW")) == (
         held[0]["parameters"], held[0]["gradients"], held[0]["optimizer"])
@@ -2772,9 +2774,28 @@ def test_plan_prints_without_building_the_model(capsys, tmp_path):
         assert item in printed
     assert re.search(r"fits on 80 GB with [\d.]+ GB free", printed)
     assert not (tmp_path / "out").exists()
+    sizes = [line for line in printed.splitlines() if line.startswith("  ")]
+    assert len({len(line) for line in sizes}) == 1, sizes  # every size in one column, the longest item's too
     code, printed = command_line(train_single.main, ["--plan", "--model", "gpt3-175b", "--data", str(tmp_path)],
                                  capsys)
     assert code == 0 and re.search(r"does not fit: needs [\d,.]+ GB; try .*train_fsdp.py", printed)
+
+
+def test_plan_reads_the_strategies_own_code():
+    """The planner and the formulas count what the strategies build with the strategies' own functions, passed in
+    by the caller (plan.py imports no training script): a layout that needs one and lacks it is refused."""
+    config = gpt.make_config("tiny", 256, 32)
+    with pytest.raises(ValueError, match="sliced=train_tp.is_sliced"):
+        plan.plan_memory(config, plan.Layout("tp", 2, 1, 2, 2))
+    with pytest.raises(ValueError, match="units=train_fsdp.flat_parameter_groups"):
+        plan.plan_memory(config, plan.Layout("fsdp", 2, 2, 1, 2))
+    with pytest.raises(ValueError, match="buckets=train_ddp.assign_buckets"):
+        plan.comm_formula("ddp", config, 8, dp=2)
+    with open(os.path.join(HERE, "plan.py")) as f:
+        tree = ast.parse(f.read())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names} | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not [name for name in imported if name and name.startswith("train_")], imported
 
 
 def test_activation_checkpointing_keeps_only_block_inputs():
@@ -2789,7 +2810,7 @@ def test_activation_checkpointing_keeps_only_block_inputs():
         for tp in (1, 2, 4, 8):
             config = gpt.make_config(preset, 50257, 2048)
             training.check_tensor_parallel(config, tp, True)
-            assert plan.plan_memory(config, plan.Layout("2d", 8 * tp, 8, tp, 1, "bfloat16"))
+            assert plan.plan_memory(config, plan.Layout("2d", 8 * tp, 8, tp, 1, "bfloat16"), **bench.STRATEGY_CODE)
 
 
 # ------------------------------------------------------------------------------------------------------------

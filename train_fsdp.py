@@ -296,7 +296,7 @@ def main(argv=None):
     dp_rank, dp_size = rank, world_size
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
         import plan
-        return plan.print_plan(args, world_size, dp_size)
+        return plan.print_plan(args, world_size, dp_size, units=flat_parameter_groups)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective

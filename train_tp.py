@@ -340,7 +340,7 @@ def main(argv=None):
                                   "must be the world size; use train_2d.py to combine it with data parallelism")
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
         import plan
-        return plan.print_plan(args, world_size, dp_size)
+        return plan.print_plan(args, world_size, dp_size, sliced=is_sliced)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
