@@ -275,7 +275,7 @@ def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float3
         terms.append(Term("gradient norm", "all_reduce", "world", 1, sent("all_reduce", 4, tp * dp, backend)))
     if strategy in ("ddp", "fsdp", "2d"):  # TP peers hold the whole batch's loss already
         terms.append(Term("the logged loss", "all_reduce", "dp", 1, sent("all_reduce", 4, dp, backend)))
-    if strategy in ("ddp", "2d"):  # training.StopRequest: the ranks agree whether to stop after this step
+    if strategy in ("ddp", "fsdp", "tp", "2d"):  # training.StopRequest: the ranks agree whether to stop after this step
         terms.append(Term("whether a rank was asked to stop", "all_reduce", "world", 1,
                           sent("all_reduce", 4, tp * dp, backend)))
     return terms
