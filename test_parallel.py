@@ -3961,3 +3961,211 @@ def test_pipeline_schedules_hold_what_their_papers_say():
                                                   ("backward", 1), ("backward", 2)]
     assert [list(train_pp.stage_layers(4, 3, s)) for s in range(3)] == [[0, 1], [2], [3]]
     assert [list(train_pp.stage_layers(12, 5, s)) for s in range(5)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9], [10, 11]]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ---- #24 tests of what a user reads: throughput and MFU, sampling, dropout over time
+
+READ_LAYOUTS = {  # script, ranks, extra flags: every script, on the ranks that make it a distributed layout
+    "single": (train_single.main, 1, {}),
+    "ddp": (train_ddp.main, 2, {}),
+    "fsdp": (train_fsdp.main, 2, {}),
+    "tp": (train_tp.main, 2, {}),
+    "2d": (train_2d.main, 4, dict(tp=2, dp=2)),
+    "pp": (train_pp.main, 2, dict(pp=2)),
+}
+STATED_PEAK_FLOPS = 1e12  # a device whose peak the test states: training.peak_flops knows none on CPU
+LOG_LINE = re.compile(r"step +(\d+) \|.*\| ([\d,]+) tok/s \| mfu ([\d.]+)% \|.*\| (\d+) ms")
+
+
+def _throughput_of_main(main, argv):
+    """main(argv) on a device of STATED_PEAK_FLOPS, counting the training rows this rank drew at each step:
+    (what it printed, [(step, row indices in the global batch, tokens a row)])."""
+    drawn, real_get, real_peak = [], training.BatchSampler.get, training.peak_flops
+
+    def get(sampler, step, micro_step):
+        x, y = real_get(sampler, step, micro_step)
+        if sampler.split == 0:  # the training file's sampler; validation's rows are no step's work
+            assert x.shape[0] == len(sampler.rows(micro_step))
+            drawn.append((step, list(sampler.rows(micro_step)), x.shape[1]))
+        return x, y
+
+    training.BatchSampler.get, training.peak_flops = get, lambda device: STATED_PEAK_FLOPS
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            main(argv)
+    finally:
+        training.BatchSampler.get, training.peak_flops = real_get, real_peak
+    return printed.getvalue(), drawn
+
+
+def independent_flops_per_token(vocab_size, n_layer, n_embd, block_size):
+    """6N + 12·L·d·T (PaLM appendix B; H heads of Q = d / H), N counted by hand: per block q, k, v, proj (4d² + 4d),
+    fc and proj (8d² + 5d), two norms (4d); the tied embedding once (V padded to a multiple of 128, times d), ln_f
+    (2d); no position embeddings."""
+    padded = -(-vocab_size // 128) * 128
+    n = n_layer * (12 * n_embd ** 2 + 13 * n_embd) + padded * n_embd + 2 * n_embd
+    return 6 * n + 12 * n_layer * n_embd * block_size
+
+
+@pytest.mark.parametrize("layout", list(READ_LAYOUTS))
+def test_logged_throughput_and_mfu_count_the_whole_global_batch(corpus, shared_tmp, layout):
+    """Every record of metrics.jsonl: tokens_per_s x step_ms / 1000 is the tokens the whole step processed, counted
+    from the rows every rank drew (the union over ranks: tensor- and pipeline-parallel peers draw the same rows),
+    which is global batch x block size; mfu is that throughput x 6N + 12·L·d·T (counted by hand) over world size x
+    the stated peak; the console line says the same, rounded as it prints. Relative 1e-6: both sides come from one
+    step time in float64, so only rounding separates them; a wrong count (micro batch, one rank's share, x tp) or a
+    peak not multiplied by the world is off by 2x or more. Global batch 8 of micro batch 2: every layout accumulates
+    (4 or 2 micro-steps), so a per-micro-step or per-rank count differs from the global one."""
+    main, ranks, extra = READ_LAYOUTS[layout]
+    argv = flags(corpus, shared_tmp, max_steps=3, global_batch=8, eval_interval=0, **extra)
+    started = time.perf_counter()
+    results = run_distributed(ranks, _throughput_of_main, main, argv)
+    wall_ms = 1000 * (time.perf_counter() - started)
+    with open(os.path.join(shared_tmp, "metrics.jsonl")) as f:
+        records = [r for r in map(json.loads, f) if "loss" in r]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    with open(os.path.join(corpus, "meta.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    flops = independent_flops_per_token(vocab_size, n_layer=4, n_embd=128, block_size=32)  # flags()' tiny model
+    printed = {int(m[1]): m for m in LOG_LINE.finditer(results[0][0])}
+    for record in records:
+        step = record["step"]
+        rows = {row: length for _, drawn in results for s, rows, length in drawn if s == step for row in rows}
+        assert sorted(rows) == list(range(8)) and set(rows.values()) == {32}  # the whole global batch, once
+        tokens = sum(rows.values())
+        assert 0 < record["step_ms"] < wall_ms
+        assert record["tokens_per_s"] * record["step_ms"] / 1000 == pytest.approx(tokens, rel=1e-6)
+        expected_mfu = record["tokens_per_s"] * flops / (ranks * STATED_PEAK_FLOPS)
+        assert record["mfu"] == pytest.approx(expected_mfu, rel=1e-6)
+        line = printed[step]
+        assert int(line[2].replace(",", "")) == pytest.approx(record["tokens_per_s"], abs=0.5)
+        assert float(line[3]) == pytest.approx(100 * record["mfu"], abs=0.05 + 1e-9)
+        assert int(line[4]) == pytest.approx(record["step_ms"], abs=0.5)
+
+
+class FixedLogits(nn.Module):
+    """A stand-in for the model in gpt.generate: the same logits at every position, whatever the context."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.register_buffer("logits", torch.tensor(logits, dtype=torch.float32))
+
+    def forward(self, idx):
+        return self.logits.expand(idx.shape[0], idx.shape[1], -1)
+
+
+SAMPLED_VOCAB = 10
+SAMPLED_LOGITS = [0.3, 1.2, -0.4, 0.9, 0.0, 1.5, -1.0, 0.6, -0.2, 1.0] + [8.0] * 6
+"""Ten classes in no sorted order (the likeliest are not the first indices) and six padding classes (a model's
+logits are padded_vocab_size wide) far likelier than any real one: a padding class let through takes most draws."""
+
+
+def reference_probabilities(temperature, top_k):
+    """softmax(logits / T) over the k likeliest real classes (all of them for top_k 0), zero elsewhere, in float64."""
+    z = np.array(SAMPLED_LOGITS[:SAMPLED_VOCAB], dtype=np.float64) / temperature
+    kept = np.argsort(-z)[:top_k] if top_k else np.arange(SAMPLED_VOCAB)
+    p = np.zeros(len(SAMPLED_LOGITS))
+    p[kept] = np.exp(z[kept] - z[kept].max())
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.5, 0), (2.0, 0), (1.0, 1), (1.0, 3), (0.7, 5), (2.0, 9),
+                                                (1.0, SAMPLED_VOCAB), (1.0, 12), (1.0, 50)])
+def test_sampling_draws_softmax_over_temperature_of_the_top_k_real_classes(temperature, top_k):
+    """20,000 draws of gpt.generate (4,000 rows x 5 tokens) from fixed logits, against an independent statement of
+    what they must be: the classes drawn are exactly the top_k likeliest real ones (every real class for top_k 0 or
+    top_k >= the vocabulary, 12 and 50 among them; a padding class never); each class's count is within 5 standard
+    errors, sqrt(n p (1 - p)), of n x softmax(logits / T) renormalised over those classes. The seed is fixed, so the
+    test is deterministic; 5 standard errors put a correct sampler's chance of failing under 1e-5 over all classes
+    and cases, while in every case with T != 1 a temperature applied twice or not at all moves some class's share by
+    3 points or more (12 to 73 standard errors), and a top-k off by one draws a class that must never appear (or
+    misses one). And the generator advances: the 5 tokens of a row are not the same draws repeated."""
+    rows, new_tokens = 4000, 5
+    prompt = torch.zeros(rows, 1, dtype=torch.long)
+    tokens = gpt.generate(FixedLogits(SAMPLED_LOGITS), prompt, new_tokens, block_size=8, vocab_size=SAMPLED_VOCAB,
+                          temperature=temperature, top_k=top_k, seed=1234)[:, 1:].numpy()
+    assert tokens.shape == (rows, new_tokens)
+    p = reference_probabilities(temperature, top_k)
+    counts = np.bincount(tokens.reshape(-1), minlength=len(SAMPLED_LOGITS))
+    assert set(np.flatnonzero(counts)) == set(np.flatnonzero(p)), f"drawn {np.flatnonzero(counts)}"
+    assert len(np.flatnonzero(p)) == (min(top_k, SAMPLED_VOCAB) or SAMPLED_VOCAB)
+    n = tokens.size
+    standard_errors = np.abs(counts - n * p) / np.maximum(np.sqrt(n * p * (1 - p)), 1e-12)
+    assert standard_errors.max() < 5, f"counts {counts.tolist()} vs expected {np.round(n * p).tolist()}"
+    if np.count_nonzero(p) > 1:  # top_k 1 draws the likeliest class every time
+        assert not any(np.array_equal(tokens[:, 0], tokens[:, j]) for j in range(1, new_tokens))
+
+
+DROPOUT_LAYOUTS = {  # every layout that draws dropout masks, in every random stream it keeps
+    "single": (train_single.main, 1, {}),
+    "ddp": (train_ddp.main, 2, {}),
+    "fsdp": (train_fsdp.main, 2, {}),
+    "tp": (train_tp.main, 2, {}),  # attention from the rank's own stream, the residual stream from the default one
+    "tp-sequence-parallel": (train_tp.main, 2, dict(sequence_parallel=True)),  # the residual stream's from its own
+    "2d": (train_2d.main, 4, dict(tp=2, dp=2)),
+    "pp": (train_pp.main, 2, dict(pp=2)),
+    # recomputed blocks restore every stream for the recompute, then must leave each where the recompute found it
+    "single-recompute": (train_single.main, 1, dict(activation_checkpointing=True)),
+    "tp-recompute": (train_tp.main, 2, dict(activation_checkpointing=True)),
+    "tp-sequence-parallel-recompute": (train_tp.main, 2, dict(sequence_parallel=True, activation_checkpointing=True)),
+}
+
+
+def _dropout_masks_by_step(main, argv):
+    """The dropout masks main(argv) draws on this rank, as a list per optimizer step (cut where set_lr starts one)."""
+    mode, starts, real_get_lr = RecordDropoutMasks(), [], training.get_lr
+
+    def get_lr(step, args):
+        starts.append(len(mode.masks))
+        return real_get_lr(step, args)
+
+    training.get_lr = get_lr
+    try:
+        with mode:
+            main(argv)
+    finally:
+        training.get_lr = real_get_lr
+    ends = starts[1:] + [len(mode.masks)]
+    return [mode.masks[start:end] for start, end in zip(starts, ends)]
+
+
+@pytest.mark.parametrize("layout", list(DROPOUT_LAYOUTS))
+def test_dropout_masks_differ_from_step_to_step_and_micro_step_to_micro_step(corpus, shared_tmp, layout):
+    """Dropout 0.1, 2 optimizer steps of 2 micro-steps each on every rank. Each micro-step draws the same masks in
+    the same order (embedding, then per block attention and two residual ones; a pipeline stage its own blocks'; with
+    --activation_checkpointing each block's again in backward), so a step's masks cut into 2 equal runs. On every
+    rank no mask of one micro-step equals any mask of another, of this step or the other: a random stream that did
+    not advance, or one a recompute rewound, repeats a mask there (at its own index or another layer's). Within a
+    micro-step no two masks agree either, except that a recomputed block draws its masks again bit for bit: every
+    mask then has exactly one twin, save the embedding's (not in a block). Two masks of 8,192 draws at p = 0.1 agree
+    by chance with probability ~1e-1500, so "differ" is exact. Both kinds are there: attention masks ([batch, heads,
+    T, T]; under TP the rank's own stream) and residual ones ([batch, T, d] or a sequence shard). That resume and
+    recompute reproduce the run bit for bit is test_resume_with_dropout_is_bit_identical's and
+    test_activation_checkpointing_with_dropout_is_bit_identical's."""
+    main, ranks, extra = DROPOUT_LAYOUTS[layout]
+    dp = ranks // (extra.get("tp", ranks) if main in (train_tp.main, train_2d.main) else extra.get("pp", 1))
+    accumulation, recomputed = 2, extra.get("activation_checkpointing", False)
+    argv = flags(corpus, shared_tmp, dropout=DROPOUT, max_steps=2, global_batch=2 * accumulation * dp, micro_batch=2,
+                 eval_interval=0, **extra)
+    for rank, steps in enumerate(run_distributed(ranks, _dropout_masks_by_step, main, argv)):
+        assert len(steps) == 2
+        micro_steps = []
+        for masks in steps:
+            per_micro_step, left = divmod(len(masks), accumulation)
+            assert per_micro_step > 0 and left == 0, f"rank {rank}: {len(masks)} masks in a step"
+            micro_steps += [masks[i * per_micro_step:(i + 1) * per_micro_step] for i in range(accumulation)]
+        shapes = [[mask.shape for mask in masks] for masks in micro_steps]
+        assert all(s == shapes[0] for s in shapes), f"rank {rank}: micro-steps draw other masks"
+        assert {mask.ndim for mask in micro_steps[0]} == {3, 4}, f"rank {rank}: {shapes[0]}"
+        drawn_in = {}  # a mask's bytes -> the (step, micro-step) of each draw of it
+        for index, masks in enumerate(micro_steps):
+            for mask in masks:
+                drawn_in.setdefault(mask.tobytes(), []).append(divmod(index, accumulation))
+        for where in drawn_in.values():
+            assert len(set(where)) == 1, f"rank {rank}: (step, micro-step) {where[1]} repeats a mask of {where[0]}"
+        for index, masks in enumerate(micro_steps):
+            twins = sorted(len(drawn_in[mask.tobytes()]) for mask in masks)
+            # recomputed: each block's masks twice, the embedding's (on a rank that holds it: an odd count) once
+            expected = [1] * len(masks) if not recomputed else [1] * (len(masks) % 2) + [2] * (len(masks) // 2 * 2)
+            assert twins == expected, f"rank {rank}, (step, micro-step) {divmod(index, accumulation)}: {twins}"
