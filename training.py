@@ -265,12 +265,12 @@ def check_same_on_every_rank(args, script, world_size):
 
 
 class StopRequest:
-    """SIGTERM, or SIGUSR1 (Slurm's --signal, ahead of the time limit), asks the run to stop after the step it is in:
+    """SIGUSR1 (Slurm's --signal=B:USR1@120, ahead of the time limit) asks the run to stop after the step it is in:
     the ranks agree on that step (one all-reduce a step), save it, and exit with PREEMPTED_EXIT_CODE."""
 
     def __init__(self):
         self.received = None
-        for number in (signal.SIGTERM, signal.SIGUSR1):
+        for number in (signal.SIGUSR1,):  # SIGTERM still ends a rank at once: torchrun ends a stuck one with it
             signal.signal(number, lambda number, frame: setattr(self, "received", signal.Signals(number).name))
 
     def agreed(self, device):
