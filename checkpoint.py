@@ -1,13 +1,10 @@
 """
-The one checkpoint format every layout shares, so a run saved by any script resumes under any other, at any
-world size.
-
-A checkpoint is a folder `<out_dir>/ckpt-<step>` with one file per rank and a meta.pt; `<out_dir>/latest` names
-the newest complete one. A rank file maps tensor names (the gpt.py parameter name, or `exp_avg/<name>` and
-`exp_avg_sq/<name>` for AdamW's moments) to a list of pieces:
+The one checkpoint format every layout shares: a run saved by any script resumes under any other, at any world size.
+A checkpoint is a folder `<out_dir>/ckpt-<step>` with one file per rank and a meta.pt; `<out_dir>/latest` names the
+newest complete one. A rank file maps tensor names (gpt.py's parameter names, and `exp_avg/<name>`, `exp_avg_sq/<name>`
+for AdamW's moments) to the pieces the rank holds (its Parts, below, copied out), each
     {"shape": full shape, "box": ((start, stop) per dim), "flat": (start, stop), "data": 1-D tensor}
-A piece is what a rank holds of a tensor (its Part, below), copied out. Loading assembles each full tensor from
-every piece and lets the loading layout take its own part.
+Loading assembles each full tensor from every piece and lets the loading layout take its own part.
 """
 
 import errno

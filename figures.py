@@ -369,4 +369,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    training.run(main)  # its end too: a torchrun worker that exits otherwise can abort (see training.run)

@@ -984,12 +984,8 @@ def test_help_keeps_the_examples_and_explains_every_flag(script, capsys, monkeyp
 
 
 def command_line(main, argv, capsys):
-    """main(argv) as the command line runs it, through training.run: (exit code, what it printed)."""
-    try:
-        training.run(lambda: main(argv))
-        code = 0
-    except SystemExit as exit:
-        code = exit.code
+    """main(argv) as the command line runs it, through training.exit_code: (exit code, what it printed)."""
+    code = training.exit_code(lambda: main(argv))
     printed = capsys.readouterr()
     return code, printed.out + printed.err
 

@@ -3,6 +3,7 @@ The optional experiment trackers, TensorBoard and Weights & Biases (--tensorboar
 record goes to them too. Imported only by a run that asks for one (training.Logger).
 """
 
+import atexit
 import importlib.util
 
 from prepare_data import UsageError
@@ -29,6 +30,14 @@ class Trackers:
             import wandb
 
             self.wandb = wandb.init(project="gpt-parallel", config=vars(args), dir=args.out_dir)
+        atexit.register(self.close)  # training.run runs the atexit functions before it ends the process
+
+    def close(self):
+        """TensorBoard's last events written, the W&B run finished."""
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
 
     def log(self, record):
         """record: one logged step, as metrics.jsonl holds it (a value may be None: the MFU on CPU)."""

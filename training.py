@@ -1,9 +1,9 @@
 """
-What every training run needs that is not the model: flags, launch and the ranks' fingerprint check, data and the
-batch sampler, initial values, optimizer and schedule, evaluation and the sample, the compile / activation-
-checkpointing wrapper, metrics and logging. No strategy code lives here: a strategy is in its own train_*.py.
+What every run needs but the model and its strategy (train_*.py): flags, launch and the ranks' fingerprint check, the
+batch sampler, initial values, optimizer and schedule, evaluation, the sample, the compile / recompute wrapper, logs.
 """
 
+import atexit
 import hashlib
 import json
 import math
@@ -12,6 +12,7 @@ import resource
 import signal
 import sys
 import time
+import traceback
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
@@ -138,8 +139,7 @@ OTHER_RANKS_WAIT_S = 10  # after a UsageError, how long a rank other than 0 wait
 
 
 class Stopped(Exception):
-    """The run stops on purpose, at the same step on every rank (diverged, preempted, a checkpoint it could not
-    write): run() prints the message as one line and exits with `code`."""
+    """The run stops on purpose at the same step on every rank (diverged, preempted, a failed write): one line."""
 
     def __init__(self, message, code):
         super().__init__(message)
@@ -152,9 +152,19 @@ INTERRUPTED_EXIT_CODE = 130  # the shell's for Ctrl-C (128 + SIGINT)
 
 
 def run(main):
-    """Every script's entry point. A crash keeps its traceback, which @record hands to torchrun's summary. A
-    UsageError or a Stopped is one line, `error: <message>`: every rank raises the same one, so rank 0 speaks for
-    all (in torchrun's summary too) while the others wait for torchrun to end them. Ctrl-C is one line too."""
+    """Every script's entry point: exit_code(main), the atexit functions, then os._exit. Not a plain exit: gloo's
+    threads outlive destroy_process_group() while hooks held in C++ keep the group, and one that frees a collective's
+    tensors as Python tears down aborts the process (6 runs in 30 of train_tp.py on 2 ranks; none with os._exit)."""
+    code = exit_code(main)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_code(main):
+    """main()'s exit code. A crash keeps its traceback (@record hands it to torchrun's summary). A UsageError or a
+    Stopped, which every rank raises alike, and Ctrl-C are one line, `error: <message>`, from rank 0 for all."""
     interrupted = []
 
     def interrupt(number, frame):
@@ -176,7 +186,16 @@ def run(main):
             say_once("interrupted (Ctrl-C): --resume continues from the latest checkpoint", INTERRUPTED_EXIT_CODE,
                      wait=False)
 
-    entry_point()
+    try:
+        entry_point()
+    except SystemExit as exit:  # say_once's, argparse's, or a sys.exit("message")
+        if isinstance(exit.code, str):
+            print(exit.code, file=sys.stderr)
+        return exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 def say_once(line, code, wait=True):
@@ -290,12 +309,9 @@ class StopRequest:
 
 
 class BatchSampler:
-    """Draws the batch of optimizer step `step` from (seed, step) alone, whatever the layout.
-
-    The global batch is `global_batch` random windows of the token file. Data-parallel rank r owns the contiguous
-    rows [r * accumulation * micro_batch, (r + 1) * accumulation * micro_batch) and takes micro_batch of them per
-    micro-step; tensor-parallel peers pass the same dp_rank and get the same rows.
-    """
+    """Draws the batch of optimizer step `step` from (seed, step) alone, whatever the layout: `global_batch` random
+    windows of the token file. Data-parallel rank r owns the contiguous rows [r * accumulation * micro_batch,
+    (r + 1) * accumulation * micro_batch), micro_batch of them a micro-step; tensor-parallel peers share them."""
 
     def __init__(self, path, block_size, global_batch, micro_batch, dp_rank, dp_size, seed, device):
         if global_batch % (micro_batch * dp_size):
