@@ -2919,7 +2919,8 @@ sys.argv[0] = script
 runpy.run_path(script, run_name="__main__")
 '''
 
-FAULTS = {"kill": "os.kill(os.getpid(), signal.SIGKILL)", "hang": "time.sleep(3600)", "none": "pass"}
+FAULTS = {"kill": "os.kill(os.getpid(), signal.SIGKILL)", "hang": "time.sleep(3600)", "none": "pass",
+          "sigterm_torchrun": "os.kill(os.getppid(), signal.SIGTERM)"}  # a worker's parent is torchrun's agent
 
 
 def fault_wrapper(tmp_path, script="train_ddp.py", rank=1, step=KILL_STEP, fault="none", extra_argv=(),
@@ -3029,6 +3030,28 @@ def test_killed_worker_ends_the_job_then_resume_finishes_it(corpus, tmp_path, tm
 
 
 @launches_its_own_ranks
+def test_sigterm_to_torchrun_saves_the_step_and_resume_is_bit_identical(corpus, tmp_path, tmp_path_factory):
+    """A scheduler's preemption: SIGTERM to torchrun during step 3. torchrun passes it on to every rank, they finish
+    the step, save step 4's checkpoint and exit with PREEMPTED_EXIT_CODE, saying so in one line; the resumed run
+    ends bit-identical to the one never stopped, dropout masks included."""
+    out_dir = tmp_path / "out"
+    argv = flags(corpus, out_dir, ckpt_interval=100, timeout=COLLECTIVE_TIMEOUT_S, dropout=DROPOUT)
+    wrapper, marker = fault_wrapper(tmp_path, fault="sigterm_torchrun")
+    with launcher(tmp_path) as start:
+        code, output, ended = start(*standalone(2, wrapper, argv)).wait()
+    seconds = ended - fault_time(marker)
+    print(f"\nSIGTERM to torchrun at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
+    assert code != 0 and seconds < training.SIGTERM_GRACE_S, output[-5000:]
+    stopped = f"error: stopped on request (SIGTERM) after step {KILL_STEP + 1}"
+    assert output.count(stopped) == 1, output[-5000:]
+    assert output.count("Traceback") == 1 and output.count("SignalException") == 2, output[-5000:]  # torchrun's own
+    assert checkpoint.latest(str(out_dir)).endswith(f"ckpt-{KILL_STEP + 1:07d}")
+
+    run_distributed(2, train_ddp.main, argv + ["--resume"])
+    assert_identical(read_run(str(out_dir)), uninterrupted_ddp(corpus, tmp_path_factory, dropout=DROPOUT))
+
+
+@launches_its_own_ranks
 def test_elastic_restart_resumes_from_the_checkpoint(corpus, tmp_path, tmp_path_factory):
     """--resume from the first launch: the first attempt starts fresh, the restarted one resumes (with dropout:
     drawing the masks the killed attempt would have drawn).
@@ -3061,7 +3084,8 @@ def test_stuck_rank_makes_the_others_time_out(corpus, tmp_path):
     seconds = ended - fault_time(marker)
     print(f"\nrank 1 stuck at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
     assert code != 0
-    assert timeout <= seconds < timeout + 15, output[-5000:]
+    # torchrun ends rank 1 with SIGTERM, which gives it SIGTERM_GRACE_S to save a step it will never finish
+    assert timeout <= seconds < timeout + training.SIGTERM_GRACE_S + 15, output[-5000:]
     root_cause = output.split("Root Cause")[-1]
     assert "rank      : 0 (local_rank: 0)" in root_cause and "Timed out" in root_cause, output[-5000:]
 
@@ -3463,13 +3487,14 @@ def test_what_a_reader_must_read_is_small():
         dragged_lines = sum(len(open(os.path.join(HERE, f"{m}.py")).read().splitlines()) for m in dragged)
         print(f"{script}: reaches {sum(l for l, _ in reach.values())} lines, {sum(t for _, t in reach.values())} "
               f"tokens; {outside} lines outside train_*.py; copying drags {dragged_lines} lines ({dragged})")
-        # Issue #22's targets are 8,200 tokens, 800 lines and 1,350 lines; with the reliability of #23 the project
-        # is above them (see the issue note). These bounds keep it from growing further while it is cut down.
+        # Issue #22's targets are 8,200 tokens, 800 lines and 1,350 lines. With #23's reliability (divergence,
+        # preemption, failed writes, Ctrl-C, the exit past gloo's teardown) the project is above them: these bounds,
+        # today's figures, keep it from growing while it is cut down.
         if script == "train_single":
-            assert sum(tokens for _, tokens in reach.values()) <= 8700, reach
+            assert sum(tokens for _, tokens in reach.values()) <= 8650, reach
         else:
-            assert outside <= 920, reach
-        assert dragged_lines <= 1400, dragged
+            assert outside <= 930, reach
+        assert dragged_lines <= 1410, dragged
     for script in ["train_ddp", "train_fsdp", "train_tp"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
@@ -3561,38 +3586,42 @@ def test_metrics_are_strict_json(tmp_path):
     assert record["loss"] is None and record["val_loss"] is None and record["grad_norm"] == 2.0
 
 
-def _stopped_by_sigterm(main, argv, rank=1, step=3):
-    """main(argv), rank `rank` receiving SIGTERM during optimizer step `step`: the exit code and message it stops
-    with. The signal handlers are restored after, for the process may run other tests."""
-    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
+def _stopped_by_signal(main, argv, number, rank=1, step=3):
+    """main(argv), rank `rank` receiving signal `number` during optimizer step `step`: the exit code and message it
+    stops with, and the seconds left of an alarm. The signal handlers are restored after: the process runs on."""
+    handlers = {n: signal.getsignal(n) for n in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM)}
     real_set_lr = training.set_lr
 
     def set_lr(optimizer, current, args):
         if current == step and dist.get_rank() == min(rank, dist.get_world_size() - 1):
-            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), number)
         return real_set_lr(optimizer, current, args)
 
     training.set_lr = set_lr
     try:
         main(argv)
     except training.Stopped as stopped:
-        return stopped.code, str(stopped)
+        return stopped.code, str(stopped), signal.alarm(0)
     finally:
         training.set_lr = real_set_lr
-        for number, handler in handlers.items():
-            signal.signal(number, handler)
+        signal.alarm(0)
+        for n, handler in handlers.items():
+            signal.signal(n, handler)
     return None
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp", "2d"])
-def test_sigusr1_saves_the_step_and_resume_is_bit_identical(corpus, tmp_path_factory, shared_tmp, layout):
-    """SIGUSR1 to one rank at step 3: every rank finishes the step, they agree on it, save step 4's checkpoint (the
-    interval is 100) and stop with the exit code that says "resumable"; --resume then ends bit-identical to the run
-    that was never stopped, dropout masks included."""
+@pytest.mark.parametrize("layout, name", [("ddp", "SIGUSR1"), ("ddp", "SIGTERM"), ("fsdp", "SIGTERM"),
+                                          ("tp", "SIGTERM"), ("2d", "SIGTERM")])
+def test_a_stop_signal_saves_the_step_and_resume_is_bit_identical(corpus, tmp_path_factory, shared_tmp, layout, name):
+    """SIGTERM (or SIGUSR1) to one rank at step 3: every rank finishes the step, they agree on it, save step 4's
+    checkpoint (the interval is 100) and stop with the exit code that says "resumable", SIGTERM's deadline
+    cancelled; --resume then ends bit-identical to the run that was never stopped, dropout masks included."""
     main, ranks, extra = WITH_DROPOUT[layout]
     argv = flags(corpus, shared_tmp, dropout=DROPOUT, ckpt_interval=100, **extra)
-    for code, message in run_distributed(ranks, _stopped_by_sigterm, main, argv):
-        assert code == training.PREEMPTED_EXIT_CODE and "(SIGUSR1) after step 4" in message or "another rank" in message, message
+    for code, message, deadline_left in run_distributed(ranks, _stopped_by_signal, main, argv, signal.Signals[name]):
+        assert code == training.PREEMPTED_EXIT_CODE, message
+        assert f"({name}) after step 4" in message or "another rank" in message, message
+        assert deadline_left == 0, "the stop left SIGTERM's deadline armed"
     assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000004")
     run_distributed(ranks, main, argv + ["--resume"])
     assert_identical(read_run(str(shared_tmp)), uninterrupted(corpus, tmp_path_factory, layout))

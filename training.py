@@ -39,57 +39,54 @@ def get_parser(description, strategy="single"):
     tp, 2d), for --plan, and its default --out_dir, out/<strategy>, so runs of two scripts never share a folder."""
     p = ArgumentParser(description=description, formatter_class=HelpFormatter)
     p.set_defaults(strategy=strategy)
-    group = p.add_argument_group("model and data")
-    group.add_argument("--model", choices=list(gpt.PRESETS), help="gpt.py's preset (default: tiny, or --init_from's)")
-    group.add_argument("--init_from", help="start from GPT-2's weights: gpt2 ... gpt2-xl (Hugging Face hub) or a folder "
-                       "with config.json and model.safetensors; --resume of a checkpoint wins")
-    group.add_argument("--data", default=DEFAULT_DATA_DIR, help="folder with train.bin, val.bin, meta.json "
-                       "(default: the embedded corpus, built on first use)")
-    group.add_argument("--block_size", type=positive_int, default=128, help="context length, in tokens")
-    group.add_argument("--dropout", type=probability, default=0.0, help="dropout probability")
-    group.add_argument("--seed", type=int, default=1337, help="seeds the initial weights, the batches and sampling")
-    group = p.add_argument_group("batch and schedule")
-    group.add_argument("--global_batch", type=positive_int, default=16, help="sequences per optimizer step")
-    group.add_argument("--micro_batch", type=positive_int, help="sequences per rank per micro-step (default: global "
-                       "batch / data-parallel size, no accumulation)")
-    group.add_argument("--max_steps", type=positive_int, default=1000, help="optimizer steps of the whole run")
-    group.add_argument("--lr", type=non_negative, default=3e-3, help="peak learning rate, reached after the warmup")
-    group.add_argument("--min_lr", type=non_negative, default=3e-4, help="learning rate at --max_steps (cosine)")
-    group.add_argument("--warmup_steps", type=count, default=50, help="steps of linear warmup to --lr")
-    group.add_argument("--weight_decay", type=non_negative, default=0.1, help="AdamW weight decay of the matrices")
-    group.add_argument("--grad_clip", type=non_negative, default=1.0, help="max global grad norm; 0 disables it")
-    group = p.add_argument_group("precision and speed")
-    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
-    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                       help="bfloat16: autocast, float32 master weights")
-    group.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
-    group.add_argument("--activation_checkpointing", action="store_true", help="keep only each block's input for "
-                       "backward and recompute the rest: less memory, ~1/3 more compute")
-    group.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA (faster; float32 differs ~1e-3)")
-    group.add_argument("--attn", default="sdpa", choices=["sdpa", "flash"],
-                       help="attention kernel: torch's scaled_dot_product_attention, or flash-attn (CUDA, bfloat16)")
-    group.add_argument("--timeout", type=positive, default=600, help="seconds a collective may wait before failing")
+    add = p.add_argument_group("model and data").add_argument
+    add("--model", choices=list(gpt.PRESETS), help="gpt.py's preset (default: tiny, or --init_from's)")
+    add("--init_from",
+        help="start from GPT-2's weights: gpt2 ... gpt2-xl (Hugging Face hub) or a folder with config.json and "
+        "model.safetensors; --resume of a checkpoint wins")
+    add("--data", default=DEFAULT_DATA_DIR,
+        help="folder with train.bin, val.bin, meta.json (default: the embedded corpus, built on first use)")
+    add("--block_size", type=positive_int, default=128, help="context length, in tokens")
+    add("--dropout", type=probability, default=0.0, help="dropout probability")
+    add("--seed", type=int, default=1337, help="seeds the initial weights, the batches and sampling")
+    add = p.add_argument_group("batch and schedule").add_argument
+    add("--global_batch", type=positive_int, default=16, help="sequences per optimizer step")
+    add("--micro_batch", type=positive_int,
+        help="sequences per rank per micro-step (default: global batch / data-parallel size, no accumulation)")
+    add("--max_steps", type=positive_int, default=1000, help="optimizer steps of the whole run")
+    add("--lr", type=non_negative, default=3e-3, help="peak learning rate, reached after the warmup")
+    add("--min_lr", type=non_negative, default=3e-4, help="learning rate at --max_steps (cosine)")
+    add("--warmup_steps", type=count, default=50, help="steps of linear warmup to --lr")
+    add("--weight_decay", type=non_negative, default=0.1, help="AdamW weight decay of the matrices")
+    add("--grad_clip", type=non_negative, default=1.0, help="max global grad norm; 0 disables it")
+    add = p.add_argument_group("precision and speed").add_argument
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
+    add("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: autocast, float32 weights")
+    add("--compile", action="store_true", help="torch.compile each transformer block")
+    add("--activation_checkpointing", action="store_true",
+        help="keep only each block's input for backward and recompute the rest: less memory, ~1/3 more compute")
+    add("--tf32", action="store_true", help="TF32 matmuls on CUDA (faster; float32 differs ~1e-3)")
+    add("--attn", default="sdpa", choices=["sdpa", "flash"], help="torch's scaled_dot_product_attention or flash-attn")
+    add("--timeout", type=positive, default=600, help="seconds a collective may wait before failing")
     group = p.add_argument_group("evaluation and sample")
-    group.add_argument("--eval_interval", type=count, default=100, help="steps between validation losses; 0: never")
-    group.add_argument("--eval_iters", type=positive_int, default=4, help="validation batches per evaluation")
+    add = group.add_argument
+    add("--eval_interval", type=count, default=100, help="steps between validation losses; 0: never")
+    add("--eval_iters", type=positive_int, default=4, help="validation batches per evaluation")
     add_sampling_flags(group)
-    group = p.add_argument_group("checkpoints")
-    group.add_argument("--out_dir", default=f"out/{strategy}", help="checkpoints and metrics.jsonl")
-    group.add_argument("--ckpt_interval", type=count, default=100, help="steps between checkpoints (and one at the "
-                       "end); 0: only at the end")
-    group.add_argument("--keep_checkpoints", type=count, default=2, help="the newest checkpoints kept; 0: every one")
-    group.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir")
-    group = p.add_argument_group("logging")
-    group.add_argument("--log_interval", type=positive_int, default=10, help="steps between progress lines")
-    group.add_argument("--log_all_ranks", action="store_true", help="every rank prints its progress, not only rank 0")
-    group.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (pip install tensorboard)")
-    group.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (pip install wandb)")
-    group = p.add_argument_group("memory planner")
-    group.add_argument("--plan", action="store_true", help="print the memory one rank needs in this layout, item by "
-                       "item, and exit without training")
-    group.add_argument("--world_size", type=positive_int, help="--plan: the ranks to plan for (default: torchrun's "
-                       "WORLD_SIZE, or 1)")
-    group.add_argument("--gpu_memory", type=positive, default=80, help="--plan: one GPU's memory, in GB (10^9 bytes)")
+    add = p.add_argument_group("checkpoints").add_argument
+    add("--out_dir", default=f"out/{strategy}", help="checkpoints and metrics.jsonl")
+    add("--ckpt_interval", type=count, default=100, help="steps between checkpoints, and one at the end; 0: the end")
+    add("--keep_checkpoints", type=count, default=2, help="the newest checkpoints kept; 0: every one")
+    add("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir")
+    add = p.add_argument_group("logging").add_argument
+    add("--log_interval", type=positive_int, default=10, help="steps between progress lines")
+    add("--log_all_ranks", action="store_true", help="every rank prints its progress, not only rank 0")
+    add("--tensorboard", action="store_true", help="also log to TensorBoard (pip install tensorboard)")
+    add("--wandb", action="store_true", help="also log to Weights & Biases (pip install wandb)")
+    add = p.add_argument_group("memory planner").add_argument
+    add("--plan", action="store_true", help="print the memory one rank needs, item by item, and exit: no training")
+    add("--world_size", type=positive_int, help="--plan: the ranks to plan for (default: torchrun's WORLD_SIZE, or 1)")
+    add("--gpu_memory", type=positive, default=80, help="--plan: one GPU's memory, in GB (10^9 bytes)")
     return p
 
 
@@ -149,6 +146,7 @@ class Stopped(Exception):
 DIVERGED_EXIT_CODE = 3
 PREEMPTED_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: stopped on request, saved; the same command with --resume goes on
 INTERRUPTED_EXIT_CODE = 130  # the shell's for Ctrl-C (128 + SIGINT)
+SIGTERM_GRACE_S = 20  # to finish the step and save after a SIGTERM: torchrun and Slurm send SIGKILL 30 s after it
 
 
 def run(main):
@@ -178,7 +176,9 @@ def exit_code(main):
         try:
             main()
         except (UsageError, Stopped) as error:
-            say_once(f"error: {error}", getattr(error, "code", USAGE_EXIT_CODE))
+            code = getattr(error, "code", USAGE_EXIT_CODE)
+            # A stop on request need not wait: torchrun, if it passed a SIGTERM on, waits for every rank to end.
+            say_once(f"error: {error}", code, wait=code != PREEMPTED_EXIT_CODE)
         except BaseException:
             if not interrupted:
                 raise
@@ -284,24 +284,33 @@ def check_same_on_every_rank(args, script, world_size):
 
 
 class StopRequest:
-    """SIGUSR1 (Slurm's --signal=B:USR1@120, ahead of the time limit) asks the run to stop after the step it is in:
-    the ranks agree on that step (one all-reduce a step), save it, and exit with PREEMPTED_EXIT_CODE."""
+    """SIGTERM (a scheduler's preemption, or torchrun passing one on) or SIGUSR1 (Slurm's --signal=B:USR1@120, ahead
+    of the time limit) asks the run to stop after the step it is in: the ranks agree on that step (one all-reduce a
+    step), save it, and exit with PREEMPTED_EXIT_CODE. A rank still running SIGTERM_GRACE_S after a SIGTERM (stuck:
+    a peer is gone) is ended then."""
 
     def __init__(self):
-        self.received = None
-        for number in (signal.SIGUSR1,):  # SIGTERM still ends a rank at once: torchrun ends a stuck one with it
-            signal.signal(number, lambda number, frame: setattr(self, "received", signal.Signals(number).name))
+        self.received = set()
+        signal.signal(signal.SIGTERM, self.request)
+        signal.signal(signal.SIGUSR1, self.request)
+
+    def request(self, number, frame):
+        if number == signal.SIGTERM and "SIGTERM" not in self.received:  # torchrun passes on one sent to it
+            signal.alarm(SIGTERM_GRACE_S)  # SIGALRM's default action ends the process
+        self.received.add(signal.Signals(number).name)
 
     def agreed(self, device):
         """Whether any rank has received one: the same answer on every rank."""
-        received = torch.tensor(float(self.received is not None), device=device)
+        received = torch.tensor(float(len(self.received) > 0), device=device)
         if dist.is_initialized():
             dist.all_reduce(received, op=dist.ReduceOp.MAX)
         return received.item() > 0
 
     def stop(self, step, out_dir):
-        raise Stopped(f"stopped on request ({self.received or 'a signal to another rank'}) after step {step}, saved in "
-                      f"{out_dir!r}: the same command with --resume goes on from there", PREEMPTED_EXIT_CODE)
+        signal.alarm(0)  # saved: nothing left for the deadline to guard
+        received = " and ".join(sorted(self.received)) or "a signal to another rank"
+        raise Stopped(f"stopped on request ({received}) after step {step}, saved in {out_dir!r}: the same command "
+                      "with --resume goes on from there", PREEMPTED_EXIT_CODE)
 
 
 # ------------------------------------------------------------------------------------------------------------
