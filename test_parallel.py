@@ -3663,6 +3663,54 @@ def test_a_failed_write_on_one_rank_publishes_nothing(corpus, tmp_path):
 
 
 @launches_its_own_ranks
+def test_a_full_disk_is_one_line_and_loses_nothing(corpus, tmp_path):
+    """Issue #23's run on a real small filesystem (a 16 MB tmpfs, mounted as root): step 2's checkpoint (9.7 MB)
+    fits, step 4's does not. torchrun's output holds one line of ours, naming the folder, the bytes needed and free
+    and what to change; `latest` still names step 2's checkpoint, which loads, and no .tmp is left to fill the disk."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    try:
+        argv = flags(corpus, disk / "out", max_steps=4, ckpt_interval=2)
+        with launcher(tmp_path) as start:
+            code, output, _ = start(*standalone(2, "train_fsdp.py", argv)).wait()
+        ours = [line for line in output.splitlines() if line.startswith("error:")]
+        assert code != 0 and len(ours) == 1, output[-5000:]
+        assert output.count("Traceback") == 1 and "ChildFailedError" in output, output[-5000:]  # torchrun's own
+        assert "could not write its part of" in ours[0] and "ckpt-0000004.tmp" in ours[0], ours[0]
+        assert "no space left" in ours[0] and "MB are free" in ours[0] and "--out_dir" in ours[0], ours[0]
+        assert checkpoint.latest(str(disk / "out")).endswith("ckpt-0000002")
+        assert checkpoint.Checkpoint(checkpoint.latest(str(disk / "out"))).meta["step"] == 2
+        assert not [name for name in os.listdir(disk / "out") if name.endswith(".tmp")]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@launches_its_own_ranks
+def test_a_broken_checkpoint_is_one_line_under_torchrun(corpus, tmp_path):
+    """--resume of a truncated rank file on 2 ranks: one line of ours in torchrun's output (rank 0's, also its
+    summary's root cause), naming the checkpoint and the older one to point `latest` at; no rank's traceback."""
+    out_dir = tmp_path / "out"
+    argv = flags(corpus, out_dir, max_steps=4, ckpt_interval=2)
+    run_distributed(2, train_ddp.main, argv)
+    rank_file = os.path.join(checkpoint.latest(str(out_dir)), "rank00001.pt")
+    with open(rank_file, "r+b") as f:
+        f.truncate(os.path.getsize(rank_file) // 2)
+    with launcher(tmp_path) as start:
+        code, output, _ = start(*standalone(2, "train_ddp.py", flags(corpus, out_dir, max_steps=6, resume=True))).wait()
+    ours = [line for line in output.splitlines() if line.startswith("error:")]
+    assert code != 0, output[-5000:]
+    assert len(ours) == 1 and "ckpt-0000004' is unreadable" in ours[0], output[-5000:]
+    assert "echo ckpt-0000002 >" in ours[0], ours[0]
+    assert output.count("Traceback") == 1 and "ChildFailedError" in output, output[-5000:]  # torchrun's own
+    root_cause = output.split("Root Cause")[-1]
+    assert "rank      : 0 (local_rank: 0)" in root_cause and "is unreadable" in root_cause, output[-5000:]
+
+
+@launches_its_own_ranks
 def test_ctrl_c_ends_every_rank_in_seconds_with_one_line(corpus, tmp_path):
     """SIGINT to the whole launch, as a terminal's Ctrl-C sends it: every rank ends within seconds, our output is
     one line and no rank prints a traceback, and no .tmp folder is left."""
