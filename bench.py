@@ -5,7 +5,7 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py --strategies ddp,fsdp --steps 30 --rounds 3
     python bench.py --model gpt2 --block_size 1024 --global_batch 32 --device cuda --dtype bfloat16 --compile
     python bench.py --strategies tp --model gpt2-medium --vocab_size 50257 --sequence_parallel   # GPT-2's vocabulary
-    python bench.py --gpu_check --device cuda --steps 20       # one command that checks a GPU machine
+    python bench.py --gpu_check --device cuda --json gpu.json   # a GPU machine's first check: runs gpu_check.py
     python bench.py --checkpointing                  # what --activation_checkpointing costs and saves, per strategy
     python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (plan.py's)
 
@@ -254,18 +254,24 @@ def synthetic_data(folder, vocab_size, num_tokens=2_000_000, seed=0):
     return folder
 
 
-def launch(script, flags, out_dir, ranks=1, threads=1):
-    """torchrun of one script; returns its metrics.jsonl records, or None if it failed (an out-of-memory, say)."""
+def launch(script, flags, out_dir, ranks=1, threads=1, env=None, timeout=None):
+    """torchrun of one script: (its metrics.jsonl records, its output), or (None, its output) if it failed (an
+    out-of-memory, say) or ran past `timeout` seconds."""
     shutil.rmtree(out_dir, ignore_errors=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                script] + flags + ["--out_dir", out_dir]
-    result = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS=str(threads)), cwd=HERE,
-                            capture_output=True, text=True)
-    if result.returncode:
-        print("\n".join(result.stderr.splitlines()[-5:]), file=sys.stderr)
-        return None
+    process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {})), cwd=HERE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output = process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        process.terminate()  # torchrun ends its ranks on SIGTERM: none is left holding the GPU
+        output = process.communicate()[0] + f"\nstopped: still running after {timeout:.0f} s"
+    if process.returncode:
+        print("\n".join(output.splitlines()[-5:]), file=sys.stderr)
+        return None, output
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f], output
 
 
 def checkpointing_cost(args, table, chosen, tmp):
@@ -299,64 +305,11 @@ def checkpointing_cost(args, table, chosen, tmp):
     return rows
 
 
-GPU_CHECK_TOLERANCE = 2e-2  # bf16 autocast against float32: measured ~1e-3 relative on the tiny model's losses
-
-
-def gpu_check(args, tmp):
-    """--gpu_check: does this machine's GPU path compute what float32 computes, and how fast? Every script at world
-    size 1 (NCCL on CUDA) in bf16 with --compile and flash attention where installed, for --steps steps, against
-    train_single.py in float32 without TF32 on the same device; then GPT-2 124M on nanoGPT's shape (block 1024,
-    the largest micro-batch that fits) in bf16 + compile for tokens/s and MFU. With several GPUs, run the usual
-    table after it for ours against torch. On CPU (the test suite's dry run) the same steps run small, eager and in
-    --dtype (bf16 matmuls are 50-140x slower than float32 on CPU)."""
-    cuda = args.device == "cuda"
-    common = ["--model", args.model, "--data", args.data, "--block_size", str(args.block_size), "--global_batch",
-              str(args.global_batch), "--max_steps", str(args.steps), "--warmup_steps", "5", "--eval_interval", "0",
-              "--log_interval", "1", "--ckpt_interval", "0", "--sample_tokens", "0", "--device", args.device]
-    flash = cuda and importlib.util.find_spec("flash_attn") is not None
-    fast = ["--dtype", "bfloat16" if cuda else args.dtype] + ["--compile"] * cuda + ["--attn", "flash"] * flash
-    reference = launch("train_single.py", common + ["--dtype", "float32"], os.path.join(tmp, "reference"))
-    if reference is None:
-        raise SystemExit("train_single.py in float32 failed: see above")
-    rows = []
-    for script, extra in [("train_single.py", []), ("train_ddp.py", []), ("train_fsdp.py", []),
-                          ("train_tp.py", ["--tp", "1"]), ("train_tp.py", ["--tp", "1", "--sequence_parallel"]),
-                          ("train_2d.py", ["--tp", "1", "--dp", "1"])]:
-        records = launch(script, common + fast + extra, os.path.join(tmp, "check"))
-        difference = None if records is None else max(abs(r["loss"] - e["loss"]) / e["loss"]
-                                                       for r, e in zip(records, reference))
-        rows.append({"script": " ".join([script] + extra), "loss": records and records[-1]["loss"],
-                     "max_relative_loss_difference": difference,
-                     "ok": difference is not None and difference < GPU_CHECK_TOLERANCE})
-    data = synthetic_data(os.path.join(tmp, "gpt2-vocab"), 50257)
-    model, block = ("gpt2", 1024) if cuda else (args.model, args.block_size)
-    throughput = None
-    for micro_batch in ([64, 32, 16, 8, 4] if cuda else [2]):
-        flags = ["--model", model, "--data", data, "--block_size", str(block), "--global_batch", str(micro_batch),
-                 "--max_steps", str(args.steps), "--warmup_steps", "5", "--eval_interval", "0", "--log_interval",
-                 "1", "--ckpt_interval", "0", "--sample_tokens", "0", "--device", args.device] + fast
-        records = launch("train_single.py", flags, os.path.join(tmp, "throughput"))
-        if records:
-            timed = records[len(records) // 2:]  # after compile and warm-up
-            throughput = {"model": model, "block_size": block, "micro_batch": micro_batch,
-                          "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-                          "mfu": statistics.median(r["mfu"] for r in timed) if timed[0]["mfu"] is not None else None}
-            break
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"\ngpu check on {name}: {fast[1]}{' + compile' * cuda}{' + flash' * flash} against float32 train_single.py "
-          f"(no TF32), {args.model}, block {args.block_size}, {args.steps} steps")
-    for row in rows:
-        difference = row["max_relative_loss_difference"]
-        print(f"{row['script']:45} {'ok' if row['ok'] else 'FAILED':6} " +
-              (f"max relative loss difference {difference:.1e}" if difference is not None else "did not run"))
-    if throughput:
-        mfu = "n/a" if throughput["mfu"] is None else f"{100 * throughput['mfu']:.1f}%"
-        print(f"{model}, block {block}, micro-batch {throughput['micro_batch']}: {throughput['tokens_per_s']:,.0f} "
-              f"tokens/s, MFU {mfu}")
-    return {"rows": rows, "throughput": throughput, "device": name}
-
-
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--gpu_check" in argv:  # a file of its own, run as its own process: gpu_check.py imports this one
+        command = [sys.executable, os.path.join(HERE, "gpu_check.py")] + [a for a in argv if a != "--gpu_check"]
+        raise SystemExit(subprocess.run(command).returncode)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=training.HelpFormatter)
     p.add_argument("--strategies", default="single,ddp,fsdp,tp,2d", help="comma-separated strategies to run")
     p.add_argument("--model", default="tiny", choices=list(gpt.PRESETS), help="model size, from gpt.py's presets")
@@ -377,7 +330,8 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (and for the single baseline)")
     p.add_argument("--json", help="also write the rows to this file")
-    p.add_argument("--gpu_check", action="store_true", help="check this machine's GPU path and speed (see gpu_check)")
+    p.add_argument("--gpu_check", action="store_true",
+                   help="python gpu_check.py with the other flags: a GPU machine's first check (gpu_check.py --help)")
     p.add_argument("--checkpointing", action="store_true",
                    help="what --activation_checkpointing costs and saves: each strategy (ours) without and with it")
     p.add_argument("--what_fits", action="store_true",
@@ -393,16 +347,6 @@ def main(argv=None):
 
     if args.what_fits:
         return plan.what_fits(args.gpu_memory, args.micro_batch, **STRATEGY_CODE)
-    if args.gpu_check:
-        with tempfile.TemporaryDirectory() as tmp:
-            result = gpu_check(args, tmp)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-        if not all(row["ok"] for row in result["rows"]):
-            raise SystemExit("gpu check failed: see the table above")
-        if not (args.device == "cuda" and torch.cuda.device_count() > 1):
-            return
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.vocab_size:

@@ -58,7 +58,7 @@ def loss_curves(args, tmp):
     curves = {}
     for name, script, ranks, extra in LOSS_RUNS:
         print(f"training: {name} on {ranks} rank(s), {args.steps} steps", flush=True)
-        records = bench.launch(script, flags + extra, os.path.join(tmp, script + "".join(extra)), ranks)
+        records, _ = bench.launch(script, flags + extra, os.path.join(tmp, script + "".join(extra)), ranks)
         if records is None:
             raise SystemExit(f"{script} {' '.join(extra)} failed: see above")
         curves[name] = [(r["step"], r["loss"]) for r in records]

@@ -47,6 +47,7 @@ sys.path.insert(0, HERE)
 import bench  # noqa: E402
 import checkpoint  # noqa: E402
 import gpt  # noqa: E402
+import gpu_check  # noqa: E402
 import hugging_face  # noqa: E402
 import plan  # noqa: E402
 import train_2d  # noqa: E402
@@ -962,7 +963,7 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
         train_single.main(flags(corpus, tmp_path, **bad))
 
 
-SCRIPTS = [train_single, train_ddp, train_fsdp, train_tp, train_2d, prepare_data, bench]
+SCRIPTS = [train_single, train_ddp, train_fsdp, train_tp, train_2d, prepare_data, bench, gpu_check]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.__name__)
@@ -1474,17 +1475,114 @@ def test_bench_classifies_collectives_of_both_backends():
     assert plan.wire_bytes("reduce_scatter", 100, 4) == 75 and plan.wire_bytes("barrier", 4, 4) == 0
 
 
+# ------------------------------------------------------------------------------------------------------------
+# gpu_check.py: a GPU machine's first check, dry on CPU
+
+GPU_CHECK_ROWS = ["machine", "headline", "reference: train_single.py float32", "train_single.py", "train_ddp.py",
+                  "train_fsdp.py", "train_tp.py --tp 1", "train_tp.py --tp 1 --sequence_parallel",
+                  "train_2d.py --tp 1 --dp 1", "train_pp.py --pp 1", "activation checkpointing"]
+H200 = dict(name="NVIDIA H200", total_memory=150_000_000_000)  # about 139 GiB
+
+
+@pytest.fixture
+def gpu_machine_lacks(tmp_path):
+    """A PYTHONPATH folder on which datasets, flash_attn and tiktoken fail to import, as on the GPU machine
+    (tiktoken is there but cannot reach the network for its files)."""
+    folder = tmp_path / "lacks"
+    for name in ("datasets", "flash_attn", "tiktoken"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__init__.py").write_text(f"raise ImportError('the GPU machine has no {name}')\n")
+    return str(folder)
+
+
+def _gpu_check(argv, path, monkeypatch, launch):
+    """gpu_check.main(argv + --json path) with bench.launch replaced by launch(real_launch, *its arguments); returns
+    the rows read back from --json and, for each row, whether the file's last line was that row the moment it was
+    reported."""
+    real_launch, real_report, on_disk = bench.launch, gpu_check.Check.report, []
+
+    def report(self, row):
+        real_report(self, row)
+        on_disk.append(json.loads(path.read_text().splitlines()[-1]) == json.loads(json.dumps(row)))
+        return row
+
+    monkeypatch.setattr(bench, "launch", lambda *args, **kwargs: launch(real_launch, *args, **kwargs))
+    monkeypatch.setattr(gpu_check.Check, "report", report)
+    try:
+        gpu_check.main(argv + ["--json", str(path)])
+    finally:
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return rows, on_disk
+
+
+def test_gpu_check_reports_each_row_before_the_next_run(corpus, tmp_path, monkeypatch):
+    """--device cuda's command lines, run by a launcher that starts nothing (each run "trains" 4 steps of a falling
+    loss): the headline first, GPT-2 124M at block 1024 in bf16 + --compile at the planner's micro-batch for an
+    H200; then the float32 reference and every script in bf16 + --compile; then activation checkpointing and
+    gpt2-medium. Each row is in --json when it is reported, before the next run starts; every run shares one
+    inductor cache; the summary counts what a GPU run would start: 11 processes, 10 of them compiling."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: argparse.Namespace(**H200))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: H200["name"])
+    path, runs = tmp_path / "gpu.json", []
+
+    def launch(real_launch, script, flags, out_dir, ranks=1, threads=1, env=None, timeout=None):
+        runs.append(dict(command=[script, *flags], env=env, rows=len(path.read_text().splitlines())))
+        records = [dict(step=step, loss=5.0 - 0.1 * step, tokens_per_s=1e5, mfu=0.4, step_ms=100.0, peak_mem_mb=1e4)
+                   for step in range(4)]
+        return records, ""
+
+    rows, on_disk = _gpu_check(["--device", "cuda", "--data", corpus, "--steps", "4"], path, monkeypatch, launch)
+    assert [row["row"] for row in rows] == GPU_CHECK_ROWS + ["larger: gpt2-medium", "summary"], rows
+    assert all(row["status"] == "ok" for row in rows) and all(on_disk), rows
+    assert [run["rows"] for run in runs] == list(range(1, 12))  # every row known was on disk before the next run
+    assert len({run["env"]["TORCHINDUCTOR_CACHE_DIR"] for run in runs}) == 1
+    layout = plan.Layout("single", 1, 1, 1, 0, "bfloat16", device="cuda")
+    for row, preset in ((rows[1], "gpt2"), (rows[-2], "gpt2-medium")):
+        config = gpt.make_config(preset, 50257, 1024)
+        assert row["micro_batch"] == gpu_check.planned_micro_batch(config, layout, H200["total_memory"]) == 64
+        assert row["model"] == preset and row["block_size"] == 1024 and row["mfu"] == 0.4
+    headline, reference = runs[0]["command"], runs[1]["command"]
+    assert headline[0] == "train_single.py" and "--compile" in headline and "bfloat16" in headline
+    assert "--compile" not in reference and reference[reference.index("--dtype") + 1] == "float32"
+    assert "--activation_checkpointing" in runs[-2]["command"] and rows[-3]["micro_batch"] == 64
+    assert rows[-1]["processes"] == 11 and rows[-1]["compiled"] == 10 and rows[-1]["not_run"] == []
+
+
 @launches_its_own_ranks
-def test_gpu_check_dry_run_on_cpu(corpus, tmp_path):
-    """python bench.py --gpu_check, the one command for a GPU machine, runs on CPU small, eager and in float32: every
-    script at world size 1 against train_single.py, then the throughput run on GPT-2's vocabulary."""
-    result_path = tmp_path / "check.json"
-    subprocess.run([sys.executable, "bench.py", "--gpu_check", "--device", "cpu", "--steps", "2", "--block_size", "32",
-                    "--global_batch", "4", "--data", corpus, "--json", str(result_path)],
-                   cwd=HERE, check=True, capture_output=True, timeout=600)
-    result = json.loads(result_path.read_text())
-    assert len(result["rows"]) == 6 and all(row["ok"] for row in result["rows"]), result["rows"]
-    assert result["throughput"]["tokens_per_s"] > 0 and result["throughput"]["mfu"] is None  # no peak FLOP/s on CPU
+def test_gpu_check_stops_at_its_budget(corpus, tmp_path, monkeypatch, gpu_machine_lacks):
+    """--budget_s 0 on CPU: the headline runs, for real and without datasets, flash_attn or tiktoken (halved once
+    after its first run fails as a CUDA run out of memory would), and no run starts after it; every row left is
+    reported, in order, saying it was not run, and the summary lists them."""
+    monkeypatch.setenv("PYTHONPATH", gpu_machine_lacks)
+    path, runs = tmp_path / "gpu.json", []
+
+    def launch(real_launch, *args, **kwargs):
+        runs.append(len(path.read_text().splitlines()))
+        if len(runs) == 1:
+            return None, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+        return real_launch(*args, **kwargs)
+
+    argv = ["--device", "cpu", "--data", corpus, "--steps", "2", "--block_size", "32", "--global_batch", "4",
+            "--gpu_memory", "0.3", "--budget_s", "0"]
+    rows, on_disk = _gpu_check(argv, path, monkeypatch, launch)
+    assert [row["row"] for row in rows] == GPU_CHECK_ROWS + ["larger: tiny", "summary"] and all(on_disk), rows
+    assert runs == [1, 1]
+    headline = rows[1]
+    assert headline["status"] == "ok" and headline["tokens_per_s"] > 0 and headline["mfu"] is None, headline
+    assert headline["out_of_memory_at_micro_batch"] == 4 and headline["micro_batch"] == 2
+    assert all(row["status"] == "not run: the 0 s budget was spent" for row in rows[2:-1]), rows
+    assert rows[-1]["not_run"] == GPU_CHECK_ROWS[2:] + ["larger: tiny"] and rows[-1]["processes"] == 2
+
+
+@launches_its_own_ranks
+def test_bench_forwards_gpu_check_which_imports_nothing_the_gpu_machine_lacks(gpu_machine_lacks):
+    """python bench.py --gpu_check runs gpu_check.py with the other flags; neither it nor a script it runs needs
+    datasets, flash_attn or tiktoken at import."""
+    code = "import sys, bench, train_single, train_2d, train_pp; bench.main(['--gpu_check', '--help'])"
+    result = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=gpu_machine_lacks, COLUMNS="120"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage: gpu_check.py" in result.stdout and "A GPU machine's first check" in result.stdout
 
 
 # ------------------------------------------------------------------------------------------------------------

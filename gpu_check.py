@@ -1,0 +1,205 @@
+"""
+A GPU machine's first check, in one command that fits a 15-minute lease, the row that matters most first.
+
+    python gpu_check.py --device cuda --json gpu.json          # or: python bench.py --gpu_check --device cuda ...
+    python gpu_check.py --device cpu --steps 2 --block_size 32 --global_batch 4 --gpu_memory 0.3   # the dry run
+
+1. headline: GPT-2 124M, block 1024, bf16 + --compile (+ --attn flash where flash-attn is installed), on synthetic
+   tokens of GPT-2's vocabulary, at the micro-batch the planner fits in this GPU's memory: tokens/s, MFU, step time,
+   peak memory.
+2. equivalence: every script at world size 1 (NCCL) in that fast path against train_single.py in float32 without
+   TF32, on --model and --data: the largest relative difference between their losses, step by step.
+3. time permitting: the headline with --activation_checkpointing, then gpt2-medium.
+4. summary: the processes started, how many compiled, the wall time, the rows not run.
+
+Each row is printed and appended to --json (one JSON object a line) as soon as it is known, so a check stopped short
+keeps what it measured. Once --budget_s has passed no run starts (the headline always does) and the rows left say so;
+a run still going 120 s after the budget is stopped. Every run shares one inductor cache folder: what one compiled,
+the next finds. On CPU (the test suite's dry run) the same rows run eager in float32, the headline and the larger
+preset at --model and --block_size, planned for --gpu_memory.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+
+import torch
+
+import bench
+import gpt
+import plan
+import prepare_data
+import training
+
+TOLERANCE = 2e-2  # bf16 autocast against float32: measured ~1e-3 relative on the tiny model's losses
+EQUIVALENCE = [["train_single.py"], ["train_ddp.py"], ["train_fsdp.py"], ["train_tp.py", "--tp", "1"],
+               ["train_tp.py", "--tp", "1", "--sequence_parallel"], ["train_2d.py", "--tp", "1", "--dp", "1"],
+               ["train_pp.py", "--pp", "1"]]
+GRACE_S = 120  # how long a run may go on past --budget_s before it is stopped
+MAX_MICRO_BATCH = 64  # 65k tokens a step at block 1024
+GPT2_VOCABULARY = 50257
+INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), "gpu-check-inductor")  # kept: a rerun finds it warm
+
+
+def planned_bytes(config, layout):
+    return sum(size for _, size in plan.plan_memory(config, layout))
+
+
+def planned_micro_batch(config, layout, memory):
+    """The largest power of two up to MAX_MICRO_BATCH whose plan fits in 90% of `memory` bytes (the planner leaves
+    out the CUDA context and the allocator's fragmentation): one run, not a search by running out of memory."""
+    micro_batch = MAX_MICRO_BATCH
+    while micro_batch > 1 and planned_bytes(config, layout._replace(micro_batch=micro_batch)) > 0.9 * memory:
+        micro_batch //= 2
+    return micro_batch
+
+
+def error_of(output):
+    """The line of a failed run's output that says what went wrong: its last exception, or its last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"(Error|Exception)\b|^error:", line) and "ChildFailed" not in line]
+    return (errors or lines or ["no output"])[-1]
+
+
+def run_flags(args, model, data, block_size, global_batch):
+    """What every run of the check shares: no evaluation, checkpoint or sample; every step logged."""
+    return ["--model", model, "--data", data, "--block_size", str(block_size), "--global_batch", str(global_batch),
+            "--max_steps", str(args.steps), "--warmup_steps", "5", "--eval_interval", "0", "--log_interval", "1",
+            "--ckpt_interval", "0", "--sample_tokens", "0", "--device", args.device]
+
+
+class Check:
+    """The rows of one check, each printed and appended to --json the moment it is known, and the runs it started."""
+
+    def __init__(self, args, tmp, started):
+        self.args = args
+        self.tmp = tmp
+        self.started = started  # when main() began: the budget counts the data preparation too
+        self.rows = []
+        self.runs = []  # each run's command line: how many processes started, how many compiled
+
+    def report(self, row):
+        self.rows.append(row)
+        measured = [f"{key} {value:,.4g}" if isinstance(value, float) else f"{key} {value}"
+                    for key, value in row.items() if key not in ("row", "status")]
+        print(f"{row['row']:42} {row['status']:8} " + " | ".join(measured), flush=True)
+        if self.args.json:
+            with open(self.args.json, "a") as f:  # closed at once, so on disk before the next run starts
+                f.write(json.dumps(row) + "\n")
+        return row
+
+    def run(self, row, command, always=False):
+        """One torchrun of command (a script and its flags) for `row`: its metrics records, or None with
+        row["status"] saying why. A run starts only within the budget, unless `always`."""
+        elapsed = time.perf_counter() - self.started
+        if elapsed > self.args.budget_s and not always:
+            row["status"] = f"not run: the {self.args.budget_s:g} s budget was spent"
+            return None
+        self.runs.append(command)
+        out_dir = os.path.join(self.tmp, f"run-{len(self.runs)}")
+        records, output = bench.launch(command[0], command[1:], out_dir, threads=self.args.threads,
+                                       env={"TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE},
+                                       timeout=max(GRACE_S, self.args.budget_s + GRACE_S - elapsed))
+        row["wall_s"] = row.get("wall_s", 0) + round(time.perf_counter() - self.started - elapsed, 1)
+        row["status"] = "ok" if records else "FAILED"
+        if records is None:
+            row["error"] = error_of(output)
+        return records
+
+    def throughput(self, name, model, data, layout, flags, micro_batch=None, always=False):
+        """train_single.py on `data` at `micro_batch` sequences (by default the planner's), halved once if it runs
+        out of memory anyway: the median tokens/s, MFU and step time of the second half of the steps (after the
+        compile), the peak memory and the planned one."""
+        config = gpt.make_config(model, GPT2_VOCABULARY, self.args.headline_block_size)
+        micro_batch = micro_batch or planned_micro_batch(config, layout, self.args.memory)
+        row = {"row": name, "status": "", "model": model, "block_size": config.block_size, "micro_batch": micro_batch}
+
+        def command():
+            shared = run_flags(self.args, model, data, config.block_size, row["micro_batch"])
+            return ["train_single.py"] + shared + flags
+
+        records = self.run(row, command(), always)
+        if records is None and "out of memory" in row.get("error", "") and row["micro_batch"] > 1:
+            row["out_of_memory_at_micro_batch"] = row["micro_batch"]  # the plan erred low: once more, at half
+            row["micro_batch"] //= 2
+            del row["error"]
+            records = self.run(row, command(), always)
+        if records:
+            timed = records[len(records) // 2:]
+            row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in timed)
+            row["mfu"] = statistics.median(r["mfu"] for r in timed) if timed[0]["mfu"] is not None else None
+            row["step_ms"] = statistics.median(r["step_ms"] for r in timed)
+            row["peak_mem_mb"] = max(r["peak_mem_mb"] for r in records)
+            row["planned_mb"] = planned_bytes(config, layout._replace(micro_batch=row["micro_batch"])) / 2**20
+        return self.report(row)
+
+    def equivalence(self, flags):
+        """Every script in `flags` (the fast path) against train_single.py in float32 on --model and --data."""
+        args = self.args
+        common = run_flags(args, args.model, args.data, args.block_size, args.global_batch)
+        first = {"row": "reference: train_single.py float32", "status": ""}
+        reference = self.run(first, ["train_single.py"] + common + ["--dtype", "float32"])
+        self.report(dict(first, loss=reference[-1]["loss"]) if reference else first)
+        for script in EQUIVALENCE:
+            row = {"row": " ".join(script), "status": "not run: the reference failed"}
+            records = self.run(row, script + common + flags) if first["status"] != "FAILED" else None
+            if records:
+                row["max_relative_loss_difference"] = max(abs(r["loss"] - e["loss"]) / e["loss"]
+                                                          for r, e in zip(records, reference))
+                row["status"] = "ok" if row["max_relative_loss_difference"] < TOLERANCE else "FAILED"
+            self.report(row)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=training.HelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="where the runs compute")
+    p.add_argument("--model", default="tiny", choices=list(gpt.PRESETS), help="the equivalence rows' model")
+    p.add_argument("--data", default=training.DEFAULT_DATA_DIR,
+                   help="the equivalence rows' prepared data folder (default: the embedded corpus, built on first use)")
+    p.add_argument("--block_size", type=int, default=128, help="the equivalence rows' context length (CPU: all rows')")
+    p.add_argument("--global_batch", type=int, default=16, help="the equivalence rows' sequences per optimizer step")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps of each run")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of each run")
+    p.add_argument("--budget_s", type=float, default=420, help="seconds after which no new run starts")
+    p.add_argument("--gpu_memory", type=float, default=80,
+                   help="on CPU, the memory the planner fits the micro-batch in, in GB (on CUDA: the GPU's own)")
+    p.add_argument("--json", help="append each row to this file as it is known, one JSON object a line")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    cuda = args.device == "cuda"
+    # The parent's CUDA context is a few hundred MB: inside the 10% that planned_micro_batch leaves free
+    args.memory = torch.cuda.get_device_properties(0).total_memory if cuda else args.gpu_memory * 1e9
+    args.headline_block_size = 1024 if cuda else args.block_size
+    flash = cuda and importlib.util.find_spec("flash_attn") is not None  # looked up, not imported
+    dtype = "bfloat16" if cuda else "float32"  # bf16 matmuls are 50-140x slower than float32 on CPU
+    fast = ["--dtype", dtype] + ["--compile"] * cuda + ["--attn", "flash"] * flash
+    headline, larger = ("gpt2", "gpt2-medium") if cuda else (args.model, args.model)
+    layout = plan.Layout("single", 1, 1, 1, 0, dtype, device=args.device)
+    prepare_data.ensure_data(args.data, is_writer=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        check = Check(args, tmp, started)
+        check.report({"row": "machine", "status": "ok", "device": torch.cuda.get_device_name() if cuda else "cpu",
+                      "torch": torch.__version__, "cuda": torch.version.cuda, "memory_gb": args.memory / 1e9,
+                      "flash_attn": flash})
+        tokens = bench.synthetic_data(os.path.join(tmp, "gpt2-vocabulary"), GPT2_VOCABULARY)
+        first = check.throughput("headline", headline, tokens, layout, fast, always=True)
+        check.equivalence(fast)
+        check.throughput("activation checkpointing", headline, tokens, layout._replace(activation_checkpointing=True),
+                         fast + ["--activation_checkpointing"], micro_batch=first["micro_batch"])
+        check.throughput(f"larger: {larger}", larger, tokens, layout, fast)
+    failed = [row["row"] for row in check.rows if row["status"] == "FAILED"]
+    check.report({"row": "summary", "status": "FAILED" if failed else "ok", "processes": len(check.runs),
+                  "compiled": sum("--compile" in command for command in check.runs),
+                  "wall_s": round(time.perf_counter() - check.started, 1),
+                  "not_run": [row["row"] for row in check.rows if row["status"].startswith("not run")]})
+    if failed:
+        raise SystemExit(f"gpu check failed: {', '.join(failed)} (see above)")
+
+
+if __name__ == "__main__":
+    training.run(main)  # its end too: a process that exits otherwise can abort (see training.run)
