@@ -1,13 +1,11 @@
 """
 Fully sharded data parallel (ZeRO-3) by hand: every rank keeps 1/N of each unit's parameters, gradients and AdamW
-state. A unit is all-gathered just before its forward and again before its backward, and its gradient is
-reduce-scattered back into the shards. Prefetch, mixed precision and deferred init.
+state. A unit is all-gathered before its forward and its backward; its gradient is reduce-scattered into the shards.
+Reads top to bottom: arguments -> process groups -> model -> strategy -> loop -> checkpoint.
 
     torchrun --standalone --nproc_per_node=2 train_fsdp.py
     torchrun --nproc_per_node=8 train_fsdp.py --model gpt2-xl --data data/openwebtext --block_size 1024 --dtype bfloat16
     torchrun --standalone --nproc_per_node=2 train_fsdp.py --impl torch     # PyTorch's FSDP2 fully_shard, the yardstick
-
-Reads top to bottom: arguments -> process groups -> model -> strategy -> loop -> checkpoint.
 """
 
 import time
@@ -17,91 +15,79 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
 import checkpoint
 import gpt
 import training
 
-# The collectives under their torch >= 2.13 names, or the older ones (same signatures) on earlier torch.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the name before torch 2.13
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 class FlatParameter:
-    """One unit's parameters of one kind end to end in a buffer padded to a multiple of the group size; this rank
-    keeps 1/N of it, `shard`, the float32 master weights. Each parameter stays registered as this rank's piece of
-    it (a view into the shard); while gathered, an attribute shadows it with a view of `full`, the whole buffer."""
+    """One unit's parameters of one kind end to end, padded to a multiple of N. This rank keeps 1/N, `shard` (float32
+    master weights), and registers each parameter as its piece of it; while gathered, views of `full` shadow them."""
 
     def __init__(self, entries, wrapper, device, initial_value):
         self.names, params, self.uses = zip(*entries)  # uses: the (module, attribute) pairs holding a parameter
         self.wrapper = wrapper
         self.world = dist.get_world_size(wrapper.group)
-        self.rank = dist.get_rank(wrapper.group)
         self.shapes = [param.shape for param in params]
         self.sizes = [param.numel() for param in params]
         self.decay = params[0].dim() >= 2  # one kind a buffer: the first parameter speaks for all
-        total = sum(self.sizes)
-        self.shard_size = -(-total // self.world)  # rounded up
-        self.padding = self.shard_size * self.world - total
-        shard = torch.zeros(self.shard_size, device=device)  # the padding stays zero: no gradient, no decay
+        self.shard_size = -(-sum(self.sizes) // self.world)  # rounded up
+        self.padding = self.shard_size * self.world - sum(self.sizes)
+        self.shard = nn.Parameter(torch.zeros(self.shard_size, device=device), requires_grad=params[0].requires_grad)
         self.spans = [slice(0, 0)] * len(params)  # where each parameter's piece lies in the shard
-        self.pieces = []  # (parameter index, [begin, end) in the flattened parameter, start in the shard)
-        offset = -self.rank * self.shard_size  # where the next parameter starts, counted from the shard's start
-        for index, size in enumerate(self.sizes):
+        self.parts = []  # checkpoint.Part's fields: (name, full shape, box, [begin, end) of the box, shard, start)
+        offset = -dist.get_rank(wrapper.group) * self.shard_size  # the next parameter's start, from the shard's
+        for index, (name, param) in enumerate(zip(self.names, params)):
             start = max(offset, 0)
-            stop = min(offset + size, self.shard_size)
+            stop = min(offset + param.numel(), self.shard_size)
             if start < stop:  # deferred init: one piece of one parameter at a time, never a whole buffer
                 piece = (start - offset, stop - offset)
                 self.spans[index] = slice(start, stop)
-                self.pieces.append((index, *piece, start))
-                shard[start:stop] = initial_value(self.names[index], params[index], piece)
-            offset += size
-        trained = params[0].requires_grad
-        self.shard = nn.Parameter(shard, requires_grad=trained)
-        self.locals = [nn.Parameter(shard[span], requires_grad=trained) for span in self.spans]
+                self.shard.detach()[start:stop] = initial_value(name, param, piece)  # the padding stays zero
+                shape, box = wrapper.tp_boxes.get(name, (tuple(param.shape), tuple((0, n) for n in param.shape)))
+                self.parts.append((name, shape, box, piece, self.shard, start))
+            offset += param.numel()
+        self.locals = [nn.Parameter(self.shard.detach()[span], self.shard.requires_grad) for span in self.spans]
         for local, uses in zip(self.locals, self.uses):
             for module, attribute in uses:
                 module._parameters[attribute] = local
         self.full = None
-        self.work = None  # the all-gather in flight
+        self.work = None  # the all-gather in flight, and the tensor it reads
 
     def gather(self, wait=True):
         """Start the all-gather of `full` unless it is gathered or on its way; then, if `wait`, wait for it."""
         if self.full is None:
-            self.sent = self.shard.detach().to(self.wrapper.compute_dtype)  # cast first: bf16 moves half the bytes
-            self.full = self.sent.new_empty(self.shard_size * self.world)
-            self.work = all_gather_single(self.full, self.sent, group=self.wrapper.group, async_op=True)
+            sent = self.shard.detach().to(self.wrapper.compute_dtype)  # cast first: bf16 moves half the bytes
+            self.full = sent.new_empty(self.shard_size * self.world)
+            self.work = (all_gather_single(self.full, sent, group=self.wrapper.group, async_op=True), sent)
             self.wrapper.gathered[self.full.untyped_storage().data_ptr()] = self
         if wait and self.work is not None:
-            self.work.wait()
-            self.work = None
-            self.sent = None  # held until the collective had read it
+            self.work[0].wait()
+            self.work = None  # and with it `sent`, held until the collective had read it
 
     def use_views(self):
-        """Shadow each parameter with its view of `full`. Autograd sums the views' gradients (a tied parameter's
-        too) into one for the whole buffer, which Unshard hands to the reduce-scatter."""
-        grad = torch.is_grad_enabled() and self.shard.requires_grad
-        full = Unshard.apply(self.shard, self.full, self) if grad else self.full
-        views = full.split(self.sizes + [self.padding])
-        for view, shape, uses in zip(views, self.shapes, self.uses):
+        """Shadow each parameter with its view of `full`; through Unshard their gradients reach the reduce-scatter."""
+        full = Unshard.apply(self.shard, self.full, self)  # records nothing without autograd or gradient
+        for view, shape, uses in zip(full.split(self.sizes + [self.padding]), self.shapes, self.uses):
             for module, attribute in uses:
                 module.__dict__[attribute] = view.view(shape)
 
-    def free(self):  # the registered pieces show again
-        if self.work is not None:  # a prefetch nobody used: let it land, then drop it
-            self.gather()
-        for uses in self.uses:
-            for module, attribute in uses:
-                module.__dict__.pop(attribute, None)
+    def free(self):
         if self.full is not None:
+            self.gather()  # a prefetch nobody used lands before its buffer goes
             del self.wrapper.gathered[self.full.untyped_storage().data_ptr()]
             self.full = None
+        for uses in self.uses:
+            for module, attribute in uses:
+                module.__dict__.pop(attribute, None)  # the registered piece shows again
 
 
 class Unshard(torch.autograd.Function):
-    """Identity from the shard to the gathered buffer. Autograd calls its backward once, with the whole buffer's
-    gradient, when the unit's backward is over; the shard's gradient arrives by reduce-scatter instead."""
+    """Identity from the shard to `full`: autograd hands its backward the whole buffer's gradient, once."""
 
     @staticmethod
     def forward(ctx, shard, full, flat):
@@ -116,21 +102,17 @@ class Unshard(torch.autograd.Function):
 
 
 def unit_modules(module, units=None):
-    """The modules FSDP gathers one at a time: the root, then each of `units` (default: the module's `blocks`)."""
     return [module] + list(getattr(module, "blocks", []) if units is None else units)
 
 
 def flat_parameter_groups(module, units=None):
-    """For each unit, {kind: [(name, parameter, its (module, attribute) uses)]}: its FlatParameters, one per kind
-    (requires grad, is a matrix). Needs no process group: the planner (plan.py) reads it on meta."""
+    """Each unit's FlatParameters, {kind: [(name, parameter, its (module, attribute) uses)]}; plan.py reads it too."""
     holders = unit_modules(module, units)
     owner = {sub: index for index, unit in enumerate(holders) for sub in unit.modules()}  # innermost wins
     entries = {}  # one a parameter, however many modules use it
-    for module_name, sub in module.named_modules():
-        for attribute, param in sub._parameters.items():
-            if param is not None:
-                name = f"{module_name}.{attribute}".lstrip(".")
-                entries.setdefault(param, (name, param, []))[2].append((sub, attribute))
+    for name, param in module.named_parameters(remove_duplicate=False):
+        module_name, _, attribute = name.rpartition(".")
+        entries.setdefault(param, (name, param, []))[2].append((module.get_submodule(module_name), attribute))
     groups = [{} for _ in holders]
     for name, param, uses in entries.values():  # the innermost unit holding every use; tied across units: the root
         users = {owner[sub] for sub, _ in uses}
@@ -141,20 +123,18 @@ def flat_parameter_groups(module, units=None):
 
 
 def current_value(name, param, flat):
-    """The default initial_value: the parameter's elements [flat[0], flat[1]) as they are."""
     if param.is_meta:
         raise ValueError(f"parameter {name} is on meta: pass initial_value to say what it starts as")
     return param.detach().reshape(-1)[flat[0]:flat[1]]
 
 
 class FullyShardedDataParallel(nn.Module):
-    """ZeRO-3 on any nn.Module: its units (the root, and each of `units`, default its `blocks`) are gathered one at
-    a time, computing in `compute_dtype`; shards, AdamW and gradient reduction stay float32. initial_value(name,
-    parameter, flat): a parameter's elements [flat[0], flat[1]) to start from (required on meta). tp_boxes, {name:
-    (full shape, box)}: where a tensor-parallel module's slices lie in the full tensors (train_2d.py)."""
+    """ZeRO-3 on any nn.Module: the root and each of `units` (default: its `blocks`) gather one at a time to compute
+    in `compute_dtype`; shards, AdamW and gradient reduction stay float32. initial_value(name, parameter, flat) gives
+    its elements [flat[0], flat[1]) (needed on meta); tp_boxes {name: (full shape, box)} places train_2d.py's slices."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
-                 reshard_after_forward=True, initial_value=None, tp_boxes=None):
+                 reshard_after_forward=True, initial_value=current_value, tp_boxes=None):
         super().__init__()
         self.module = module
         self.group = process_group or dist.group.WORLD
@@ -162,7 +142,6 @@ class FullyShardedDataParallel(nn.Module):
         self.reshard_after_forward = reshard_after_forward
         self.tp_boxes = tp_boxes or {}
         self.gathered = {}  # storage address of a gathered buffer -> its FlatParameter, for the saved-tensor hooks
-        initial_value = initial_value or current_value
         self.units = [[FlatParameter(entries, self, device, initial_value) for entries in unit.values()]
                       for unit in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
@@ -170,13 +149,12 @@ class FullyShardedDataParallel(nn.Module):
         for index, unit in enumerate(unit_modules(module, units)):
             unit.register_forward_pre_hook(partial(self._before_forward, index))
             unit.register_forward_hook(partial(self._after_forward, index))
+            unit.register_full_backward_pre_hook(partial(self._before_backward, index))  # its outputs' gradients are in
         self.order = []  # units in the order their forward first ran: which to prefetch next
         self.in_flight = None  # the latest reduce-scatter, finished when the next one starts
-        self.backward_callback_queued = False
 
     def forward(self, *args, **kwargs):
         self.module.zero_grad()  # the pieces' gradients view the last step's: left set, they would keep it alive
-        # A saved tensor that views a gathered buffer would keep it alive until backward: save a reference instead.
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.module(*args, **kwargs)
 
@@ -185,13 +163,11 @@ class FullyShardedDataParallel(nn.Module):
         return self.shards.named_parameters(f"{prefix}.shards".lstrip("."), recurse, remove_duplicate)
 
     def gather(self, index, direction):
-        """Make unit `index` available and point its modules at it. The next unit this way (forward +1, backward
-        -1; after the last, the root) starts gathering first, to overlap this one's compute."""
+        """Gather unit `index` for its modules; the next one's gather (forward +1, backward -1) starts first."""
         following = self.order[(self.order.index(index) + direction) % len(self.order)]
         for flat in self.units[index] + self.units[following]:
             flat.gather(wait=False)
-        # In backward too the views require grad: --activation_checkpointing recomputes the forward there.
-        with torch.enable_grad() if direction < 0 else nullcontext():
+        with torch.enable_grad() if direction < 0 else nullcontext():  # for --activation_checkpointing's recompute
             for flat in self.units[index]:
                 flat.gather()
                 flat.use_views()
@@ -204,30 +180,23 @@ class FullyShardedDataParallel(nn.Module):
 
     @torch.compiler.disable
     def _after_forward(self, index, module, args, output):
-        if torch.is_grad_enabled():  # backward reaches the unit once its output's gradient is computed
-            for tensor in tree_leaves(output):
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(partial(self._before_backward, index))
-        # Without autograd (evaluation, sampling) no backward needs the unit; the root waits for its backward.
-        if not torch.is_grad_enabled() or (self.reshard_after_forward and index != 0):
+        if not torch.is_grad_enabled() or (self.reshard_after_forward and index != 0):  # the root stays for backward
             for flat in self.units[index]:
                 flat.free()
 
-    def _before_backward(self, index, grad):
-        if not self.backward_callback_queued:
+    def _before_backward(self, index, module, grad_output):
+        if index == 0:  # the root's outputs' gradients come first: backward has begun
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
-            self.backward_callback_queued = True
         self.gather(index, -1)
 
     def _after_backward(self):
         self.finish_reduce_scatter()
         for flat in self.flats:  # the root's, frozen ones, a prefetch nobody used: none may outlive the update
             flat.free()
-        self.backward_callback_queued = False
 
     @torch.compiler.disable
     def _pack(self, tensor):
-        flat = self.gathered.get(tensor.untyped_storage().data_ptr())
+        flat = self.gathered.get(tensor.untyped_storage().data_ptr())  # by reference: a view would keep `full` alive
         return tensor if flat is None else (flat, tensor.shape, tensor.stride(), tensor.storage_offset())
 
     @torch.compiler.disable
@@ -239,8 +208,7 @@ class FullyShardedDataParallel(nn.Module):
         return flat.full.as_strided(shape, stride, offset)
 
     def reduce_scatter(self, flat, grad):
-        """Start averaging the unit's gradient over the group, in float32, into this rank's piece. The previous
-        one lands first: at most one full gradient waits while the next unit's backward computes."""
+        """Start averaging the unit's gradient into this rank's piece once the previous one has landed."""
         self.finish_reduce_scatter()
         grad = grad.float()  # averaged in float32: a sum of N bf16 gradients would lose their low bits
         piece = grad.new_empty(flat.shard_size)
@@ -263,24 +231,14 @@ class FullyShardedDataParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm):
         """The whole model's gradient norm: the shards are disjoint parts of it (padding's gradient is zero)."""
-        grads = [shard.grad for shard in self.shards if shard.grad is not None]
-        total = sum(grad.pow(2).sum() for grad in grads)
+        total = sum(shard.grad.pow(2).sum() for shard in self.shards if shard.grad is not None)
         dist.all_reduce(total, group=self.group)  # one number: the squared norm of the whole model
         norm = total.sqrt()
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # clip_grad_norm_'s coefficient
+        nn.utils.clip_grads_with_norm_(self.shards, max_norm, norm)
         return norm
 
     def parts(self):
-        """Where each piece of an original parameter sits in this rank's shards, as checkpoint.Part's fields:
-        (name, full shape, box of the full tensor, flat range of the box, the shard, offset in the shard)."""
-        parts = []
-        for flat in self.flats:
-            for index, begin, end, start in flat.pieces:
-                name = flat.names[index]
-                shape, box = self.tp_boxes.get(name, (tuple(flat.shapes[index]), None))
-                box = box or tuple((0, n) for n in shape)
-                parts.append((name, shape, box, (begin, end), flat.shard, start))
-        return parts
+        return [part for flat in self.flats for part in flat.parts]
 
 
 def main(argv=None):
