@@ -963,7 +963,7 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
         train_single.main(flags(corpus, tmp_path, **bad))
 
 
-SCRIPTS = [train_single, train_ddp, train_fsdp, train_tp, train_2d, prepare_data, bench, gpu_check]
+SCRIPTS = [train_single, train_ddp, train_fsdp, train_tp, train_2d, train_pp, prepare_data, bench, gpu_check]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.__name__)
@@ -2605,7 +2605,8 @@ def test_hugging_face_gpt2_loads_in_every_layout(tmp_path_factory, layout, world
             assert max(reads) < largest_parameter and sum(reads) < 0.8 * model_bytes / 4
 
 
-INIT_FROM_LAYOUTS = dict(LAYOUTS, **{"fsdp torch": (train_fsdp.main, 2, dict(impl="torch"))})
+INIT_FROM_LAYOUTS = dict(LAYOUTS, **{"fsdp torch": (train_fsdp.main, 2, dict(impl="torch")),
+                                      "pp": (train_pp.main, 2, dict(pp=2))})
 
 
 @pytest.mark.parametrize("layout", list(INIT_FROM_LAYOUTS))
