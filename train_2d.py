@@ -105,7 +105,7 @@ def main(argv=None):
     logger.start(train_data, dp_size, start_step)
 
     # ---- loop
-    stop_request = training.StopRequest()  # SIGUSR1: stop after the step, saved
+    stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
     for step in range(start_step, args.max_steps):
         val_loss = training.evaluate(step, args, forward, val_data, autocast, dp_group)
         t0 = time.perf_counter()
