@@ -12,7 +12,8 @@ gradient buckets).
 """
 
 import os
-from dataclasses import asdict
+import itertools
+from dataclasses import asdict, replace
 from typing import NamedTuple
 
 import torch
@@ -34,13 +35,18 @@ class Layout(NamedTuple):
     activation_checkpointing: bool = False
     reshard: bool = True  # FSDP frees each block's gathered weights after its forward (--no_reshard: keeps them)
     device: str = "cuda"  # where it runs: autocast's rules differ a little between CUDA and CPU
+    pp: int = 1  # pipeline stages (pp: the ranks are pp x dp)
+    schedule: str = "1f1b"  # pp: the order of the micro-batches' forwards and backwards
+    micro_batches: int = 1  # pp: micro-batches an optimizer step (the accumulation), all in the pipeline at once
 
 
 def layout_of(args, world_size, dp_size, micro_batch, device):
     """The Layout a script's flags describe on world_size ranks, dp_size of them data-parallel, on device (a type)."""
-    return Layout(args.strategy, world_size, dp_size, world_size // dp_size, micro_batch, args.dtype,
+    pp = getattr(args, "pp", 1)
+    return Layout(args.strategy, world_size, dp_size, world_size // (dp_size * pp), micro_batch, args.dtype,
                   getattr(args, "sequence_parallel", False), not getattr(args, "no_loss_parallel", False),
-                  args.activation_checkpointing, not getattr(args, "no_reshard", False), device)
+                  args.activation_checkpointing, not getattr(args, "no_reshard", False), device, pp,
+                  getattr(args, "schedule", "1f1b"), args.global_batch // (micro_batch * dp_size))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -159,6 +165,52 @@ def plan_memory(config, layout, sliced=None, units=None):
                      4 * unit + (2 * unit if e == 2 else 0)))
     rows.append(("logits and their gradient", logits * (e + 4)))
     return rows
+
+
+def stage_plan(config, layout, stage, layers, schedule):
+    """[(item, bytes)] pipeline stage `stage` holds at its peak: its blocks (layers: train_pp.stage_layers), the
+    embeddings on the first stage, the final layer norm and the tied LM head on the last; and the activations of as
+    many micro-batches as its schedule (train_pp.schedule) holds at once: every one under GPipe, at most pp - stage
+    under 1F1B. Each micro-batch in flight keeps autocast's bfloat16 copies of the stage's weights too."""
+    first, last = stage == 0, stage == layout.pp - 1
+    held = list(layers(config.n_layer, layout.pp, stage))
+    sizes = local_sizes(config)
+    names = [name for name in sizes if (name.startswith("blocks.") and int(name.split(".")[1]) in held)
+             or (first and name.startswith("wpe")) or ((first or last) and name.startswith("wte"))
+             or (last and name.startswith("ln_f"))]
+    params = sum(sizes[name] for name in names)
+    cast = sum(sizes[name] for name in names if not (".ln_" in name or name.startswith(("ln_f", "wpe"))))
+    order = schedule(layout.schedule, stage, layout.pp, layout.micro_batches)
+    in_flight = max(itertools.accumulate(1 if kind == "forward" else -1 for kind, _ in order))
+    activations, recompute = activation_plan(replace(config, n_layer=len(held)), layout)
+    per_micro_batch = activations["activations of the blocks"]
+    per_micro_batch += activations["embeddings and final layer norm"] if first or last else 0
+    per_micro_batch += activations["loss (softmax of the logits)"] if last else 0
+    e = 2 if layout.dtype == "bfloat16" else 4
+    rows = [(f"stage {stage} of {layout.pp} ({len(held)} blocks): parameters (float32)", 4 * params),
+            ("gradients (float32)", 4 * params),
+            ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * len(names)),
+            (f"activations of {in_flight} micro-batches in flight ({layout.schedule})", in_flight * per_micro_batch)]
+    if e == 2:
+        rows.append(("bfloat16 weight copies, one a micro-batch in flight (autocast)", in_flight * 2 * cast))
+    if recompute:
+        rows.append(("one block recomputed in backward (--activation_checkpointing)", recompute))
+    if not first:  # float32: the residual stream between stages, and its gradient
+        rows.append(("received activation and gradient (point to point)", 2 * 4 * layout.micro_batch
+                     * config.block_size * config.n_embd))
+    if last:
+        rows.append(("logits and their gradient", layout.micro_batch * config.block_size * config.padded_vocab_size
+                     * (e + 4)))
+    return rows
+
+
+def pipeline_plan(config, layout, layers, schedule):
+    """The plan of the pipeline stage that needs the most memory (layers, schedule: train_pp.py's functions)."""
+    if layers is None or schedule is None:
+        raise ValueError("a pipeline layout needs the strategy's own split and schedule: pass "
+                         "layers=train_pp.stage_layers, schedule=train_pp.schedule")
+    plans = [stage_plan(config, layout, stage, layers, schedule) for stage in range(layout.pp)]
+    return max(plans, key=lambda rows: sum(size for _, size in rows))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -302,7 +354,7 @@ def plan_verdict(total, gpu_memory_gb, layout, rows):
         advice.append("a smaller --micro_batch")
     if "activations" not in largest or not advice:
         advice.append("train_fsdp.py or a larger --dp" if layout.strategy in ("single", "ddp", "tp")
-                      else "a larger --tp (train_2d.py) or more GPUs")
+                      else "a larger --pp" if layout.strategy == "pp" else "a larger --tp (train_2d.py) or more GPUs")
     return f"does not fit: needs {total / 1e9:.1f} GB; try {' or '.join(advice)}"
 
 
@@ -317,9 +369,10 @@ def plan_config(args):
     return gpt.make_config(preset, vocab_size, args.block_size, args.dropout), preset
 
 
-def print_plan(args, world_size, dp_size, sliced=None, units=None):
-    """--plan: print what one rank of this layout needs, item by item, and whether it fits in --gpu_memory. sliced
-    and units: train_tp.is_sliced and train_fsdp.flat_parameter_groups, from the scripts that use them."""
+def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, schedule=None):
+    """--plan: print what one rank of this layout needs, item by item, and whether it fits in --gpu_memory. sliced,
+    units, layers and schedule: train_tp.is_sliced, train_fsdp.flat_parameter_groups, train_pp.stage_layers and
+    train_pp.schedule, from the scripts that use them."""
     config, preset = plan_config(args)
     if args.micro_batch is None and args.global_batch % dp_size:
         raise prepare_data.UsageError(f"--global_batch {args.global_batch} does not split over {dp_size} "
@@ -328,13 +381,17 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None):
                        "cpu" if args.device == "cpu" else "cuda")
     if layout.tp > 1:
         training.check_tensor_parallel(config, layout.tp, layout.sequence_parallel)
-    rows = plan_memory(config, layout, sliced, units)
+    if layout.strategy == "pp":
+        rows = pipeline_plan(config, layout, layers, schedule)
+    else:
+        rows = plan_memory(config, layout, sliced, units)
     total = sum(size for _, size in rows)
     num_params = model_on_meta(config).num_params()
     size = f"{num_params / 1e9:,.1f}B" if num_params >= 1e9 else f"{num_params / 1e6:,.1f}M"
     say = print if training.launched_rank()[0] == 0 else lambda text: None  # under torchrun, once
     say(f"plan: {preset} ({size} parameters, vocabulary {config.vocab_size:,}) | {layout.strategy}"
-        f" on {world_size} rank{'s' * (world_size > 1)} (dp {layout.dp} x tp {layout.tp}) | micro batch "
+        f" on {world_size} rank{'s' * (world_size > 1)} (dp {layout.dp} x tp {layout.tp}"
+        + f" x pp {layout.pp}, {layout.schedule}" * (layout.pp > 1) + ") | micro batch "
         f"{layout.micro_batch} x {config.block_size} tokens | {layout.dtype}"
         + " | activation checkpointing" * layout.activation_checkpointing
         + " | sequence parallel" * layout.sequence_parallel)

@@ -4051,6 +4051,31 @@ def test_pipeline_bad_layout_is_refused_on_every_rank_before_any_collective(corp
     assert all(error and message in error for error in errors), errors
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_plan_counts_each_stage_as_train_pp_builds_it(schedule, capsys):
+    """--plan knows train_pp.py: each stage's parameters are those train_pp.Stage keeps on meta (the tied weight on
+    both end stages, so pp stages hold wte twice), the micro-batches in flight are the schedule's (all 8 under
+    GPipe, at most pp - stage under 1F1B), and one stage of one plans what train_single.py's plan does."""
+    config = gpt.make_config("tiny", 256, 32)
+    for pp in (1, 2, 3, 4):
+        layout = plan.Layout("pp", pp, 1, 1, 2, pp=pp, schedule=schedule, micro_batches=8)
+        for stage in range(pp):
+            with torch.device("meta"):
+                kept = train_pp.Stage(gpt.GPT(config), stage, pp)
+            rows = plan.stage_plan(config, layout, stage, train_pp.stage_layers, train_pp.schedule)
+            assert rows[0][1] == 4 * sum(p.numel() for p in kept.parameters()), (pp, stage)
+            in_flight = 8 if schedule == "gpipe" else min(8, pp - stage)
+            assert f"activations of {in_flight} micro-batches in flight" in rows[3][0], (pp, stage, rows[3])
+    single = dict(plan.plan_memory(config, plan.Layout("single", 1, 1, 1, 2)))
+    one_stage = dict(plan.stage_plan(config, plan.Layout("pp", 1, 1, 1, 2, schedule=schedule, micro_batches=8), 0,
+                                     train_pp.stage_layers, train_pp.schedule))
+    activations = [item for item in single if item.startswith(("activations", "embeddings", "loss"))]
+    assert one_stage[f"activations of {8 if schedule == 'gpipe' else 1} micro-batches in flight ({schedule})"] == \
+        sum(single[item] for item in activations) * (8 if schedule == "gpipe" else 1)
+    rows = train_pp.main(["--plan", "--pp", "2", "--world_size", "4", "--model", "tiny", "--schedule", schedule])
+    assert "x pp 2" in capsys.readouterr().out and rows[0][0].startswith("stage ")
+
+
 def test_pipeline_schedules_hold_what_their_papers_say():
     """GPipe: every forward, then every backward. 1F1B: stage s of p runs p - 1 - s forwards first, then alternates;
     no stage ever holds more than p - s micro-batches' activations. Both run every micro-batch forward and backward,

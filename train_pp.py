@@ -228,8 +228,9 @@ def main(argv=None):
             f"choose --pp and --dp whose product is {world_size}"
         raise training.UsageError(f"--pp {pp} x --dp {dp} = {pp * dp} ranks, but the world has {world_size}: {launch}")
     stage_index, dp_rank, dp_size = rank // dp, rank % dp, dp
-    if args.plan:
-        raise training.UsageError("--plan does not plan pipeline stages yet; it plans the other train_*.py scripts")
+    if args.plan:  # the memory the fullest stage needs in this layout, and nothing else: no device, data or model
+        import plan
+        return plan.print_plan(args, world_size, dp_size, layers=stage_layers, schedule=schedule)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
