@@ -102,7 +102,8 @@ def _shard(tensor, group, dim):
     """An empty parameter for this rank's slice of tensor along dim, and its (full shape, box)."""
     size = tensor.shape[dim] // dist.get_world_size(group)
     start = dist.get_rank(group) * size
-    box = [(start, start + size) if d == dim else (0, n) for d, n in enumerate(tensor.shape)]
+    box = [(0, n) for n in tensor.shape]
+    box[dim] = (start, start + size)
     return nn.Parameter(torch.empty_like(tensor.narrow(dim, start, size))), (tensor.shape, box)
 
 
@@ -234,7 +235,7 @@ def sampling_hooks(model, multiple, gather):
     def pad(module, args, kwargs):
         if len(args) == 1 and kwargs.get("targets") is None:
             lengths.append(args[0].shape[1])
-            return (F.pad(args[0], (0, -args[0].shape[1] % multiple)),), kwargs
+            return (F.pad(args[0], (0, -lengths[-1] % multiple)),), kwargs
 
     model.register_forward_pre_hook(pad, with_kwargs=True)
     model.register_forward_hook(lambda module, args, out: gather(out)[:, :lengths.pop()] if out.dim() == 3 else None)
@@ -353,7 +354,7 @@ def main(argv=None):
         for part in parts:  # each rank reads its own slices only: together the ranks hold train_single's weights
             part.local().copy_(value(part.name, part.shape, part.box, part.flat))
         groups = training.decay_groups(model.parameters())
-        clip_grad_norm = lambda limit: clip_grad_norm_(parts, limit, dist.group.WORLD)  # noqa: E731
+        clip_grad_norm = partial(clip_grad_norm_, parts, tp_group=dist.group.WORLD)
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
 
     # ---- strategy: sharded matrices, replicated norms and biases; replicated tensors are saved by rank 0 only
