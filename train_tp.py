@@ -21,9 +21,9 @@ import checkpoint
 import gpt
 import training
 
-# The collectives under their torch >= 2.13 names, or the older ones (same signatures) on earlier torch.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch >= 2.13's names for the two collectives, or the older ones (same signatures)
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 # ------------------------------------------------------------------------------------------------------------
 # Megatron-LM's mappings: a collective forward and its conjugate backward. Sequence parallelism splits dim 1 of
@@ -39,15 +39,15 @@ def _all_reduce(x, group, dim):
 
 def _all_gather(x, group, dim):
     shard = x.movedim(dim, 0).contiguous()  # a view of a tensor stored dim-first; any other layout is copied
-    out = shard.new_empty(dist.get_world_size(group) * shard.numel())  # gloo gathers only into a flat buffer
-    all_gather_single(out, shard.view(-1), group=group)
-    return out.view(-1, *shard.shape[1:]).movedim(0, dim)
+    out = shard.new_empty(dist.get_world_size(group) * shard.shape[0], *shard.shape[1:])
+    all_gather_single(out, shard, group=group)
+    return out.movedim(0, dim)
 
 
 def _reduce_scatter(x, group, dim):
-    whole = x.movedim(dim, 0).contiguous()  # rank i's part is its i-th chunk
-    out = whole.new_empty(whole.shape[0] // dist.get_world_size(group), *whole.shape[1:])
-    reduce_scatter_single(out.view(-1), whole.view(-1), group=group)
+    whole = x.movedim(dim, 0).contiguous()
+    out = torch.empty_like(whole.chunk(dist.get_world_size(group))[0])  # rank i's part: the i-th chunk
+    reduce_scatter_single(out, whole, group=group)
     return out.movedim(0, dim)
 
 
@@ -60,16 +60,12 @@ class Conjugate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, forward, backward, dim, x, group):
-        ctx.group = group
-        ctx.backward = backward
-        ctx.dim = dim
+        ctx.backward = backward and partial(backward, group=group, dim=dim)
         return forward(x, group, dim) if forward else x
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.backward:
-            grad = ctx.backward(grad, ctx.group, ctx.dim)
-        return None, None, None, grad, None
+        return None, None, None, ctx.backward(grad) if ctx.backward else grad, None
 
 
 # Megatron's names, each called as (x, group): the collective forward, its conjugate backward, the dim they split.
@@ -87,36 +83,32 @@ def f(x, group, sequence_parallel):
 
 def g(x, group, sequence_parallel):
     """Megatron's g, f's conjugate, where the region ends: sum the partial products, or reduce-scatter them."""
-    return (reduce_scatter_to_sequence_parallel_region if sequence_parallel else reduce_from_tensor_parallel_region)(
-        x, group)
+    region = reduce_scatter_to_sequence_parallel_region if sequence_parallel else reduce_from_tensor_parallel_region
+    return region(x, group)
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Layers. Each replaces a gpt.py module and keeps its parameter names; `boxes` says which part of the full tensor
-# each local parameter holds: its (full shape, box), for init, checkpoints and the gradient norm.
+# Layers. Each replaces a gpt.py module and keeps its parameter names; `boxes` says where each sliced parameter
+# lies in the full tensor, as (full shape, box), for init, checkpoints and the gradient norm.
 
 
 def _linear(x, weight, bias=None):
-    """On the [T, B, C] behind a sequence-first x: F.linear(x) would copy x batch-first (and keep it for backward)."""
-    if x.transpose(0, 1).is_contiguous():
+    if x.transpose(0, 1).is_contiguous():  # sequence-first: F.linear would copy x batch-first (and keep it)
         return F.linear(x.transpose(0, 1), weight, bias).transpose(0, 1)
     return F.linear(x, weight, bias)
 
 
 def _shard(tensor, group, dim):
-    """An empty parameter for this rank's slice of tensor along dim (init_weights fills it), and its (shape, box):
-    where the slice lies in the full tensor."""
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    box = [(0, size) for size in tensor.shape]
-    box[dim] = (rank * tensor.shape[dim] // world, (rank + 1) * tensor.shape[dim] // world)
-    slice_shape = [stop - start for start, stop in box]
-    return nn.Parameter(tensor.new_empty(slice_shape)), (tuple(tensor.shape), tuple(box))
+    """An empty parameter for this rank's slice of tensor along dim, and its (full shape, box)."""
+    size = tensor.shape[dim] // dist.get_world_size(group)
+    start = dist.get_rank(group) * size
+    box = [(0, n) for n in tensor.shape]
+    box[dim] = (start, start + size)
+    return nn.Parameter(torch.empty_like(tensor.narrow(dim, start, size))), (tensor.shape, box)
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_i = X A_i, output rows split: for q, k and v rank i's heads (rows [h * head_dim, (h + 1) * head_dim) are
-    head h). f is not here: it runs once per tensor-parallel region, in a pre-hook, not once for each of q, k, v."""
+    """Y_i = X A_i, output rows split: for q, k and v, rank i's own heads. f runs in a pre-hook, once per region."""
 
     def __init__(self, linear, group):
         super().__init__()
@@ -131,13 +123,13 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Y = sum_i X_i A_i, input columns split; g sums the partial products, then adds the replicated bias once."""
+    """Y = sum_i X_i A_i, input columns split; g sums the partial products, then the replicated bias is added once."""
 
     def __init__(self, linear, group, sequence_parallel):
         super().__init__()
         self.group = group
         self.sequence_parallel = sequence_parallel
-        self.bias = linear.bias  # replicated
+        self.bias = linear.bias
         self.weight, weight_box = _shard(linear.weight, group, 1)
         self.boxes = {"weight": weight_box}
 
@@ -147,8 +139,8 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, stop) of the padded vocabulary: other ids give zeros, and g sums the ranks' rows (under sequence
-    parallelism a reduce-scatter: the residual stream starts sharded)."""
+    """Rows [start, stop) of the padded vocabulary: other ids look up zeros, and g sums the ranks' rows (under
+    sequence parallelism it reduce-scatters them: the residual stream starts sharded)."""
 
     def __init__(self, embedding, group, sequence_parallel):
         super().__init__()
@@ -170,23 +162,24 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of vocabulary-split logits, never gathered: all-reduces of one number per token (max,
-    then sum of exponentials and target logit) replace an all-gather of [tokens, vocab]; backward sends nothing."""
+    """Per-token cross-entropy of vocabulary-split logits: all-reduces of one number per token replace an all-gather
+    of [tokens, vocab], and backward sends nothing."""
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_size):
-        logits, vocab = logits.float(), logits.shape[-1]
+        vocab = logits.shape[-1]
         start = dist.get_rank(group) * vocab
+        logits = logits.float()
         if start + vocab > vocab_size:  # this slice holds padding classes: no tokens, no probability, no gradient
             logits = logits.masked_fill(torch.arange(vocab, device=logits.device) >= vocab_size - start, -float("inf"))
-        logits_max = logits.max(dim=-1).values
+        logits_max = logits.amax(-1, keepdim=True)
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        logits = logits - logits_max.unsqueeze(-1)  # every exponent <= 0: no overflow at any logit size
+        logits = logits - logits_max  # every exponent <= 0: no overflow at any logit size
         outside = (targets < start) | (targets >= start + vocab)
-        local_targets = (targets - start).masked_fill(outside, 0)
-        target_logits = logits.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        local_targets = (targets - start).masked_fill(outside, 0).unsqueeze(-1)
+        target_logits = logits.gather(-1, local_targets).squeeze(-1).masked_fill(outside, 0.0)
         softmax = logits.exp_()
-        sums = torch.stack([softmax.sum(dim=-1), target_logits])
+        sums = torch.stack([softmax.sum(-1), target_logits])  # one all-reduce for both
         dist.all_reduce(sums, group=group)
         softmax /= sums[0].unsqueeze(-1)
         ctx.save_for_backward(softmax, local_targets, outside)
@@ -196,15 +189,14 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         # Megatron-LM's: in place in the saved softmax, no new [tokens, vocab / tp] (a second backward would raise)
         grad, local_targets, outside = ctx.saved_tensors
-        grad.scatter_add_(-1, local_targets.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        grad.scatter_add_(-1, local_targets, -(~outside).to(grad.dtype).unsqueeze(-1))
         return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None  # autograd casts it back to the logits' dtype
 
 
 class RNGStream:
-    """A second stream of random numbers, for a region whose draws must differ from the rest's: dropout on a
-    tensor-parallel rank's own heads must differ across ranks, dropout on activations every rank holds alike must
-    agree. `swap`, a forward hook where the region starts and again where it ends, exchanges the default
-    generators' state with the stream's (as Megatron-LM's RNG tracker forks it); seeded on first use."""
+    """A second stream of random numbers, as Megatron-LM's RNG tracker forks one: dropout on a rank's own heads must
+    differ across ranks, dropout on what every rank holds alike must agree. `swap`, a forward hook where the region
+    starts and again where it ends, trades the default generators' state for the stream's."""
 
     def __init__(self, seed):
         self.seed = seed
@@ -213,7 +205,7 @@ class RNGStream:
     def swap(self, module, args, *output):
         device = args[0].device
         current = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-        if self.state is None:
+        if self.state is None:  # the stream's first use
             torch.manual_seed(self.seed)
         else:
             torch.set_rng_state(self.state[0])
@@ -222,30 +214,28 @@ class RNGStream:
         self.state = current
 
 
-# What parallelize() splits in each block, by gpt.py's module names: the column-parallel linears by output rows
-# (weight and bias: for q, k and v a rank's own heads), the row-parallel ones by input columns (the weight; the bias
-# is added once, after the sum). Beside them the embedding (and the tied LM head) by vocabulary rows.
+# What parallelize() splits in each block, by gpt.py's names: column-parallel linears by output rows (weight and
+# bias), row-parallel ones by input columns (the weight; the bias is added after the sum). And wte by vocabulary rows.
 COLUMN_PARALLEL = ("attn.query", "attn.key", "attn.value", "mlp.fc")
 ROW_PARALLEL = ("attn.proj", "mlp.proj")
 
 
 def is_sliced(name):
     """Whether tensor parallelism splits parameter `name` across ranks (the planner counts 1/tp of it)."""
-    module, _, kind = name.rpartition(".")
-    module = module.split(".", 2)[-1]  # blocks.3.attn.query -> attn.query
+    module, _, kind = name.split(".", 2)[-1].rpartition(".")  # blocks.3.attn.query.bias -> attn.query, bias
     return name == "wte.weight" or module in COLUMN_PARALLEL or (module in ROW_PARALLEL and kind == "weight")
 
 
 def sampling_hooks(model, multiple, gather):
-    """For a model split along the sequence or the vocabulary (here, and torch_reference.py): generate() calls
-    model(idx) without targets, at any length, and wants whole logits. Pad the prompt to a `multiple` of the
-    sequence shards (causal: padding never reaches earlier positions), gather the logits, drop the padding."""
+    """generate() calls model(idx) without targets, at any length, and wants whole logits (here and in
+    torch_reference.py). Pad the prompt to a `multiple` of the sequence shards (causal: padding never reaches
+    earlier positions), gather the logits, drop the padding."""
     lengths = []
 
     def pad(module, args, kwargs):
         if len(args) == 1 and kwargs.get("targets") is None:
             lengths.append(args[0].shape[1])
-            return (F.pad(args[0], (0, -args[0].shape[1] % multiple)),), kwargs
+            return (F.pad(args[0], (0, -lengths[-1] % multiple)),), kwargs
 
     model.register_forward_pre_hook(pad, with_kwargs=True)
     model.register_forward_hook(lambda module, args, out: gather(out)[:, :lengths.pop()] if out.dim() == 3 else None)
@@ -254,64 +244,58 @@ def sampling_hooks(model, multiple, gather):
 
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropout_seed=0):
     """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place, on meta before to_empty and
-    init_weights. dropout_seed seeds the tensor-parallel region's dropout: different on every rank. Its stream is
-    model.rng_streams["tensor_parallel"], which checkpoints and recomputed blocks save and restore."""
+    init_weights. dropout_seed seeds dropout on this rank's own heads: model.rng_streams["tensor_parallel"],
+    which checkpoints and recomputed blocks save and restore."""
     model.wte = VocabParallelEmbedding(model.wte, group, sequence_parallel)
-    model.lm_head = ColumnParallelLinear(model.lm_head, group)
-    model.lm_head.weight = model.wte.weight  # tied: column-parallel over the same vocabulary slice
+    model.lm_head.weight = model.wte.weight  # tied: the LM head is column-parallel over the same vocabulary rows
+    for block in model.blocks:
+        for name in COLUMN_PARALLEL:
+            block.set_submodule(name, ColumnParallelLinear(block.get_submodule(name), group))
+        for name in ROW_PARALLEL:
+            block.set_submodule(name, RowParallelLinear(block.get_submodule(name), group, sequence_parallel))
+    rng = RNGStream(dropout_seed)
+    model.rng_streams = {"tensor_parallel": rng}
+    for module in model.modules():
+        if isinstance(module, gpt.CausalSelfAttention) and model.config.dropout:  # own heads: from here to proj
+            module.register_forward_pre_hook(rng.swap)
+            module.proj.register_forward_pre_hook(rng.swap)
+        if isinstance(module, (gpt.CausalSelfAttention, gpt.MLP)):  # f once per region: q, k and v share one
+            module.register_forward_pre_hook(lambda module, args: f(args[0], group, sequence_parallel))
+        if isinstance(module, nn.LayerNorm) and sequence_parallel:  # on the [T, B, C] in memory: batch-first copies
+            module.register_forward_pre_hook(lambda module, args: args[0].transpose(0, 1))
+            module.register_forward_hook(lambda module, args, out: out.transpose(0, 1))
+        if isinstance(module, nn.Dropout) and sequence_parallel and model.config.dropout:  # this rank's shard
+            module.register_forward_pre_hook(rng.swap)
+            module.register_forward_hook(rng.swap)
     if sequence_parallel:  # the token embeddings come out as this rank's sequence shard: so must the positions
-        model.wpe.register_forward_pre_hook(lambda module, args: (_split(args[0], group, 0),))
-        for norm in [model.ln_f] + [norm for block in model.blocks for norm in (block.ln_1, block.ln_2)]:
-            norm.register_forward_pre_hook(lambda module, args: (args[0].transpose(0, 1),))  # else it would copy
-            norm.register_forward_hook(lambda module, args, out: out.transpose(0, 1))  # it batch-first: on [T, B, C]
-    # The whole logits for --no_loss_parallel and sampling: gathered vocabulary-first (see the mappings), made [..., V]
+        model.wpe.register_forward_pre_hook(lambda module, args: _split(args[0], group, 0))
+    # The LM head's region: f, then batch-first as the loss flattens it (a [B, T, C] copy, not [B, T, V / tp])
+    model.lm_head.register_forward_pre_hook(lambda module, args: f(args[0], group, sequence_parallel).contiguous())
+    # The whole logits, for sampling and --no_loss_parallel: gathered vocabulary-first, then made [..., V]
     gather = lambda logits: gather_from_tensor_parallel_region(logits, group).contiguous()  # noqa: E731
     if loss_parallel:
         model.loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(
             logits, targets, group, model.config.vocab_size).mean()
     else:  # Megatron's parallel_output=False: every rank gathers the whole [tokens, vocab] logits
         model.lm_head.register_forward_hook(lambda module, args, logits: gather(logits))
-    regions, rng = [model.lm_head], RNGStream(dropout_seed)
-    model.rng_streams = {"tensor_parallel": rng}
-    for block in model.blocks:
-        for name in COLUMN_PARALLEL + ROW_PARALLEL:
-            parent, _, child = name.rpartition(".")
-            linear = block.get_submodule(name)
-            if name in COLUMN_PARALLEL:
-                setattr(block.get_submodule(parent), child, ColumnParallelLinear(linear, group))
-            else:
-                setattr(block.get_submodule(parent), child, RowParallelLinear(linear, group, sequence_parallel))
-        attn, mlp = block.attn, block.mlp
-        regions += [attn, mlp]
-        if model.config.dropout:  # this rank's own heads draw from its own stream, from attention to the projection
-            attn.register_forward_pre_hook(rng.swap)
-            attn.proj.register_forward_pre_hook(rng.swap)
-    if model.config.dropout and sequence_parallel:  # and so does the residual stream: it is this rank's own shard
-        for dropout in [model.drop] + [d for b in model.blocks for d in (b.attn.resid_dropout, b.mlp.dropout)]:
-            dropout.register_forward_pre_hook(rng.swap)
-            dropout.register_forward_hook(rng.swap)
-    for module in regions:  # f once where each tensor-parallel region starts: q, k and v share one
-        module.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel),))
-    # batch-first logits, as the loss flattens them: under sequence parallelism a [B, T, C] copy, not [B, T, V / tp]
-    model.lm_head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(),))
     tp = dist.get_world_size(group)
     return sampling_hooks(model, tp if sequence_parallel else 1, gather if loss_parallel else nn.Identity())
 
 
 def allreduce_replicated_grads(parts, group):
-    """Under sequence parallelism every replicated parameter (layer norms, wpe, row-parallel biases) saw only this
-    rank's sequence shard: sum their gradients over the tensor-parallel group, in one flat all-reduce. The parts
-    may be FSDP shards (train_2d.py): TP peers shard alike, so equal positions hold the same parameter's elements."""
+    """Under sequence parallelism a replicated parameter (layer norms, wpe, row-parallel biases) saw only this rank's
+    sequence shard: sum their gradients in one flat all-reduce. In train_2d.py the parts are FSDP shards: TP peers
+    shard alike, so equal positions hold the same elements."""
     grads = [part.local(part.tensor.grad) for part in parts if not part.sliced]
     if grads:
         flat = torch.cat(grads)
         dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(grads, list(flat.split([grad.numel() for grad in grads])))
+        torch._foreach_copy_(grads, flat.split([grad.numel() for grad in grads]))
 
 
 def clip_grad_norm_(parts, max_norm, tp_group):
-    """The gradient norm of the full model, every element counted once: TP slices on their own rank, replicated
-    parameters on TP rank 0 only (in train_2d.py each part is further an FSDP shard, disjoint across DP ranks)."""
+    """The full model's gradient norm, each element counted once: slices on their own rank, replicated parameters
+    on TP rank 0 only (in train_2d.py each part is also an FSDP shard, disjoint across data-parallel ranks)."""
     first = dist.get_rank(tp_group) == 0
     total = torch.zeros((), device=parts[0].tensor.device)
     for part in parts:
@@ -334,7 +318,8 @@ def main(argv=None):
 
     # ---- process groups: every rank is one tensor-parallel rank; they all read the same rows
     rank, local_rank, world_size = training.launched_rank(args)
-    tp, dp_rank, dp_size = args.tp or world_size, 0, 1
+    tp = args.tp or world_size
+    dp_rank, dp_size = 0, 1
     if tp != world_size:
         raise training.UsageError(f"--tp {tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so --tp "
                                   "must be the world size; use train_2d.py to combine it with data parallelism")
@@ -356,18 +341,20 @@ def main(argv=None):
     if args.impl == "torch":
         import torch_reference
         model, groups, clip_grad_norm = torch_reference.tensor_parallel(model, config, args, device)
-        parts, streams = None, {}  # its checkpoints gather each tensor whole
+        parts = None  # its checkpoints gather each tensor whole
+        streams = {}
     else:  # the last argument seeds dropout on this rank's heads
         parallelize(model, dist.group.WORLD, args.sequence_parallel, not args.no_loss_parallel,
                     args.seed + world_size + rank)
         model.to_empty(device=device)
         model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
-        parts, streams = checkpoint.parameter_parts(model), model.rng_streams
+        parts = checkpoint.parameter_parts(model)
+        streams = model.rng_streams
         value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
         for part in parts:  # each rank reads its own slices only: together the ranks hold train_single's weights
             part.local().copy_(value(part.name, part.shape, part.box, part.flat))
         groups = training.decay_groups(model.parameters())
-        clip_grad_norm = lambda limit: clip_grad_norm_(parts, limit, dist.group.WORLD)  # noqa: E731
+        clip_grad_norm = partial(clip_grad_norm_, parts, tp_group=dist.group.WORLD)
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
 
     # ---- strategy: sharded matrices, replicated norms and biases; replicated tensors are saved by rank 0 only
