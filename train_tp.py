@@ -369,7 +369,7 @@ def main(argv=None):
     logger.start(train_data, dp_size, start_step, layout=f"tensor parallel {tp} ({modes}) | ")
 
     # ---- loop
-    stop_request = training.StopRequest()  # SIGUSR1: stop after the step, saved
+    stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
     for step in range(start_step, args.max_steps):
         val_loss = training.evaluate(step, args, forward, val_data, autocast)
         t0 = time.perf_counter()
