@@ -23,6 +23,7 @@ On CPU, ranks get one thread each; so does the single-device baseline the scalin
 import argparse
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -39,6 +42,7 @@ import plan
 import prepare_data
 import train_ddp
 import train_fsdp
+import train_pp
 import train_tp
 import training
 
@@ -50,13 +54,7 @@ BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int"
 
 def payload_bytes(event):
     dims, types = event["args"].get("Input Dims", []), event["args"].get("Input type", [])
-    total = 0
-    for shape, dtype in zip(dims, types):
-        count = 1
-        for n in shape:
-            count *= n
-        total += count * BYTES.get(dtype, 4)
-    return total
+    return sum(math.prod(shape) * BYTES.get(dtype, 4) for shape, dtype in zip(dims, types))
 
 
 def collective_kind(name):
@@ -203,15 +201,25 @@ def strategies(args):
     }
 
 
+def run_flags(model, data, block_size, global_batch, steps, device):
+    """The flags every benchmarked run shares (gpu_check.py's too): no evaluation, checkpoint or sample; every step
+    logged."""
+    return ["--model", model, "--data", data, "--block_size", str(block_size), "--global_batch", str(global_batch),
+            "--max_steps", str(steps), "--warmup_steps", "5", "--eval_interval", "0", "--log_interval", "1",
+            "--ckpt_interval", "0", "--sample_tokens", "0", "--device", device]
+
+
+def our_flags(args, global_batch):
+    """run_flags with this benchmark's --dtype and --compile."""
+    return run_flags(args.model, args.data, args.block_size, global_batch, args.steps, args.device) + [
+        "--dtype", args.dtype] + ["--compile"] * args.compile
+
+
 def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, tmp):
     out_dir = os.path.join(tmp, f"{name}-{impl}-{ranks}-{global_batch}")
     shutil.rmtree(out_dir, ignore_errors=True)  # the previous round's run: a fresh run refuses a used --out_dir
     comms_path = out_dir + ".comms.json"
-    flags = ["--model", args.model, "--data", args.data, "--block_size", str(args.block_size),
-             "--global_batch", str(global_batch), "--max_steps", str(args.steps), "--warmup_steps", "5",
-             "--eval_interval", "0", "--log_interval", "1", "--ckpt_interval", "0", "--sample_tokens", "0",
-             "--device", args.device, "--dtype", args.dtype, "--out_dir", out_dir] + extra
-    flags += ["--compile"] if args.compile else []
+    flags = our_flags(args, global_batch) + ["--out_dir", out_dir] + extra
     flags += ["--impl", impl] if impl else []
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
@@ -274,6 +282,105 @@ def launch(script, flags, out_dir, ranks=1, threads=1, env=None, timeout=None):
         return [json.loads(line) for line in f], output
 
 
+# ------------------------------------------------------------------------------------------------------------
+# --pipeline: train_pp.py's bubble, saved activations and sends, each beside its formula
+
+
+class Saved:
+    """What pipeline_worker's pack hook gives autograd for a tensor: `release` runs once autograd lets go of it."""
+
+    def __init__(self, tensor, release):
+        self.tensor = tensor
+        weakref.finalize(self, release)
+
+
+def pipeline_worker(argv, out_path):
+    """Inside each rank of a train_pp.py run: for every optimizer step, its seconds, the seconds the stage waited on
+    its sends and receives (the bubble, and the transfers), the bytes it sent, and the most bytes autograd held
+    saved for backward at once, parameters left out. Rank r writes them to out_path.r."""
+    import train_pp
+
+    real_exchange, real_step, steps = train_pp.exchange, train_pp.PipelineParallel.step, []
+
+    def exchange(operations):
+        start = time.perf_counter()
+        real_exchange(operations)
+        steps[-1]["waited_s"] += time.perf_counter() - start
+        steps[-1]["sent_bytes"] += sum(op.tensor.nbytes for op in operations if op.op == torch.distributed.isend)
+
+    def step(self, *args, **kwargs):
+        record, held = dict(waited_s=0.0, sent_bytes=0, saved_bytes=0), {}  # held: storage -> (tensors, bytes)
+        parameters = {p.untyped_storage().data_ptr() for p in self.parameters()}
+        steps.append(record)
+
+        def release(key):
+            count, size = held.pop(key)
+            if count > 1:
+                held[key] = (count - 1, size)
+
+        def pack(tensor):
+            key = tensor.untyped_storage().data_ptr()
+            if key in parameters:
+                return tensor
+            count, size = held.get(key, (0, tensor.untyped_storage().nbytes()))
+            held[key] = (count + 1, size)
+            record["saved_bytes"] = max(record["saved_bytes"], sum(size for _, size in held.values()))
+            return Saved(tensor, lambda: release(key))
+
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: getattr(saved, "tensor", saved)):
+            loss = real_step(self, *args, **kwargs)
+        record["step_s"] = time.perf_counter() - start
+        return loss
+
+    train_pp.exchange, train_pp.PipelineParallel.step = exchange, step
+    train_pp.main(argv)
+    with open(f"{out_path}.{os.environ.get('RANK', 0)}", "w") as f:
+        json.dump(steps, f)
+
+
+def pipeline(args, tmp):
+    """--pipeline: train_pp.py on 2 stages, each schedule, ours and torch's: tokens/s; and for each stage of ours,
+    the median over the steps after --warmup of the bubble, the activations saved at the peak and the bytes sent,
+    beside (p - 1) / (m + p - 1), the planner's activations and the sends' formula."""
+    config = gpt.make_config(args.model, prepare_data.ensure_data(args.data, is_writer=True)["vocab_size"],
+                             args.block_size)
+    layout = plan.Layout("pp", 2, 1, 1, args.micro_batch, args.dtype, device=args.device, pp=2,
+                         micro_batches=args.global_batch // args.micro_batch)
+    sends = layout.micro_batches  # a stage of 2 sends each micro-batch's activation forward, or its gradient back
+    flags = our_flags(args, args.global_batch) + ["--micro_batch", str(args.micro_batch), "--pp", "2"]
+    rows = []
+    print(f"train_pp.py: {args.model}, 2 stages, m = {layout.micro_batches} micro-batches of {args.micro_batch}; "
+          f"bubble formula (p - 1) / (m + p - 1) = {1 / (layout.micro_batches + 1):.3f}")
+    for schedule in ("gpipe", "1f1b"):
+        for impl in ("ours", "torch"):
+            out = os.path.join(tmp, f"pp-{schedule}-{impl}")
+            worker = ["--pipeline_worker", out + ".stages", "--"] + flags + ["--schedule", schedule, "--impl", impl]
+            records, output = launch(os.path.abspath(__file__), worker, out, 2, args.threads)
+            if records is None:
+                raise SystemExit(f"train_pp.py --schedule {schedule} --impl {impl} failed:\n{output[-3000:]}")
+            tokens_per_s = statistics.median(r["tokens_per_s"] for r in records[args.warmup:])
+            row = dict(schedule=schedule, impl=impl, tokens_per_s=tokens_per_s, stages=[])
+            for stage in range(2) if impl == "ours" else []:
+                with open(f"{out}.stages.{stage}") as f:
+                    timed = json.load(f)[args.warmup:]
+                plan_rows = plan.stage_plan(config, layout._replace(schedule=schedule), stage, train_pp.stage_layers,
+                                            train_pp.schedule)
+                measured = dict(bubble=statistics.median(s["waited_s"] / s["step_s"] for s in timed),
+                                saved_bytes=max(s["saved_bytes"] for s in timed), planned_bytes=sum(
+                                    size for item, size in plan_rows if item.startswith(("activations", "bfloat16"))),
+                                sent_bytes=timed[-1]["sent_bytes"], formula_bytes=sends * args.micro_batch
+                                * args.block_size * config.n_embd * 4)  # float32: the residual stream
+                row["stages"].append(measured)
+                print(f"  {schedule:5} stage {stage}: bubble {measured['bubble']:.3f} | activations at the peak "
+                      f"{measured['saved_bytes'] / 2**20:.2f} MiB, planned {measured['planned_bytes'] / 2**20:.2f} MiB"
+                      f" | sent {measured['sent_bytes'] / 2**20:.3f} MiB a step, formula "
+                      f"{measured['formula_bytes'] / 2**20:.3f} MiB")
+            print(f"  {schedule:5} {impl:5}: {tokens_per_s:,.0f} tokens/s")
+            rows.append(row)
+    return rows
+
+
 def checkpointing_cost(args, table, chosen, tmp):
     """--checkpointing: each strategy (ours) without and with --activation_checkpointing, interleaved by round:
     tokens/s, the bytes the first micro-batch saved for backward (measured: memory_held), and peak memory."""
@@ -334,16 +441,21 @@ def main(argv=None):
                    help="python gpu_check.py with the other flags: a GPU machine's first check (gpu_check.py --help)")
     p.add_argument("--checkpointing", action="store_true",
                    help="what --activation_checkpointing costs and saves: each strategy (ours) without and with it")
+    p.add_argument("--pipeline", action="store_true", help="train_pp.py's bubble, activations and sends against "
+                   "their formulas, and its tokens/s against torch's (m = --global_batch / --micro_batch)")
     p.add_argument("--what_fits", action="store_true",
                    help="print plan.what_fits's table: the smallest layout for each preset on 8 and 64 GPUs (no runs)")
     p.add_argument("--gpu_memory", type=float, default=80, help="--what_fits: one GPU's memory, in GB (10^9 bytes)")
-    p.add_argument("--micro_batch", type=int, default=1, help="--what_fits: sequences per GPU per micro-step")
+    p.add_argument("--micro_batch", type=int, default=1, help="--what_fits, --pipeline: sequences per micro-step")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--profile_step", type=int, help=argparse.SUPPRESS)
     p.add_argument("--comms_out", help=argparse.SUPPRESS)
+    p.add_argument("--pipeline_worker", help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
     if args.worker:
         return worker(args.worker, rest[1:] if rest[:1] == ["--"] else rest, args.profile_step, args.comms_out)
+    if args.pipeline_worker:
+        return pipeline_worker(rest[1:] if rest[:1] == ["--"] else rest, args.pipeline_worker)
 
     if args.what_fits:
         return plan.what_fits(args.gpu_memory, args.micro_batch, **STRATEGY_CODE)
@@ -353,8 +465,8 @@ def main(argv=None):
             args.data = synthetic_data(os.path.join(tmp, f"vocab-{args.vocab_size}"), args.vocab_size)
         table = strategies(args)
         chosen = [s for s in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[s][0]))]
-        if args.checkpointing:
-            rows = checkpointing_cost(args, table, chosen, tmp)
+        if args.checkpointing or args.pipeline:
+            rows = (checkpointing_cost(args, table, chosen, tmp) if args.checkpointing else pipeline(args, tmp))
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(rows, f, indent=2)

@@ -66,13 +66,6 @@ def error_of(output):
     return (errors or lines or ["no output"])[-1]
 
 
-def run_flags(args, model, data, block_size, global_batch):
-    """What every run of the check shares: no evaluation, checkpoint or sample; every step logged."""
-    return ["--model", model, "--data", data, "--block_size", str(block_size), "--global_batch", str(global_batch),
-            "--max_steps", str(args.steps), "--warmup_steps", "5", "--eval_interval", "0", "--log_interval", "1",
-            "--ckpt_interval", "0", "--sample_tokens", "0", "--device", args.device]
-
-
 class Check:
     """The rows of one check, each printed and appended to --json the moment it is known, and the runs it started."""
 
@@ -120,7 +113,8 @@ class Check:
         row = {"row": name, "status": "", "model": model, "block_size": config.block_size, "micro_batch": micro_batch}
 
         def command():
-            shared = run_flags(self.args, model, data, config.block_size, row["micro_batch"])
+            shared = bench.run_flags(model, data, config.block_size, row["micro_batch"], self.args.steps,
+                                     self.args.device)
             return ["train_single.py"] + shared + flags
 
         records = self.run(row, command(), always)
@@ -141,7 +135,7 @@ class Check:
     def equivalence(self, flags):
         """Every script in `flags` (the fast path) against train_single.py in float32 on --model and --data."""
         args = self.args
-        common = run_flags(args, args.model, args.data, args.block_size, args.global_batch)
+        common = bench.run_flags(args.model, args.data, args.block_size, args.global_batch, args.steps, args.device)
         first = {"row": "reference: train_single.py float32", "status": ""}
         reference = self.run(first, ["train_single.py"] + common + ["--dtype", "float32"])
         self.report(dict(first, loss=reference[-1]["loss"]) if reference else first)

@@ -126,13 +126,15 @@ def activation_plan(config, layout):
              + (2 * b * (s // shard) * h if config.dropout else 0))  # the two residual dropouts' masks
     vocab_parallel = layout.tp > 1 and layout.loss_parallel  # a softmax over this rank's padded slice, and a mask
     vocab = config.padded_vocab_size // t if vocab_parallel else config.vocab_size
-    items = {
-        "activations of the blocks": L * (residual if layout.activation_checkpointing else block),
-        "embeddings and final layer norm": (b * s * 8 + s * 8 + (b * s if t > 1 else 0)  # ids, positions, TP's mask
-                                            + norm + b * s * h * e  # the final norm, the LM head's whole input
-                                            + (b * (s // shard) * h if config.dropout else 0)),
-        "loss (softmax of the logits)": b * s * vocab * 4 + b * s * (9 if vocab_parallel else 8),
-    }
+    embeddings = (b * s * 8 + s * 8 + (b * s if t > 1 else 0)  # the ids, the positions, TP's mask
+                  + (b * (s // shard) * h if config.dropout else 0))  # the embedding dropout's mask
+    final = norm + b * s * h * e  # the final norm, the LM head's whole input
+    items = {"activations of the blocks": L * (residual if layout.activation_checkpointing else block)}
+    if layout.pp > 1:  # on the first and on the last stage
+        items.update({"embeddings": embeddings, "final layer norm": final})
+    else:
+        items["embeddings and final layer norm"] = embeddings + final
+    items["loss (softmax of the logits)"] = b * s * vocab * 4 + b * s * (9 if vocab_parallel else 8)
     return items, (block if layout.activation_checkpointing else 0)
 
 
@@ -179,13 +181,16 @@ def stage_plan(config, layout, stage, layers, schedule):
              or (first and name.startswith("wpe")) or ((first or last) and name.startswith("wte"))
              or (last and name.startswith("ln_f"))]
     params = sum(sizes[name] for name in names)
-    cast = sum(sizes[name] for name in names if not (".ln_" in name or name.startswith(("ln_f", "wpe"))))
+    # autocast copies the matmuls' weights: wte only where it is the LM head's, not where it is an embedding
+    cast = sum(sizes[name] for name in names
+               if not (".ln_" in name or name.startswith(("ln_f", "wpe")) or (name.startswith("wte") and not last)))
     order = schedule(layout.schedule, stage, layout.pp, layout.micro_batches)
     in_flight = max(itertools.accumulate(1 if kind == "forward" else -1 for kind, _ in order))
     activations, recompute = activation_plan(replace(config, n_layer=len(held)), layout)
+    ends = {"embeddings": first, "final layer norm": last, "loss (softmax of the logits)": last}
     per_micro_batch = activations["activations of the blocks"]
-    per_micro_batch += activations["embeddings and final layer norm"] if first or last else 0
-    per_micro_batch += activations["loss (softmax of the logits)"] if last else 0
+    per_micro_batch += sum(activations.get(item, 0) for item, held_here in ends.items() if held_here)
+    per_micro_batch += activations.get("embeddings and final layer norm", 0)  # one stage of one
     e = 2 if layout.dtype == "bfloat16" else 4
     rows = [(f"stage {stage} of {layout.pp} ({len(held)} blocks): parameters (float32)", 4 * params),
             ("gradients (float32)", 4 * params),
