@@ -8,6 +8,7 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py --gpu_check --device cuda --json gpu.json   # a GPU machine's first check: runs gpu_check.py
     python bench.py --checkpointing                  # what --activation_checkpointing costs and saves, per strategy
     python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (plan.py's)
+    python bench.py --pipeline --micro_batch 2       # train_pp.py: bubble, activations and sends against formulas
 
 Each run is a fresh `torchrun --standalone` of the training script for --steps optimizer steps. Runs are
 interleaved (round 1: ours, torch, ...; round 2: ours, torch, ...) so that drift of the machine hits both sides
