@@ -297,8 +297,8 @@ class Saved:
 
 def pipeline_worker(argv, out_path):
     """Inside each rank of a train_pp.py run: for every optimizer step, its seconds, the seconds the stage waited on
-    its sends and receives (the bubble, and the transfers), the bytes it sent, and the most bytes autograd held
-    saved for backward at once, parameters left out. Rank r writes them to out_path.r."""
+    its sends and receives (the bubble, and the transfers) and when, the bytes it sent, and the most bytes autograd
+    held saved for backward at once, parameters left out. Rank r writes them to out_path.r."""
     import train_pp
 
     real_exchange, real_step, steps = train_pp.exchange, train_pp.PipelineParallel.step, []
@@ -307,10 +307,12 @@ def pipeline_worker(argv, out_path):
         start = time.perf_counter()
         real_exchange(operations)
         steps[-1]["waited_s"] += time.perf_counter() - start
+        steps[-1]["waits"].append((start - steps[-1]["started"], time.perf_counter() - steps[-1]["started"]))
         steps[-1]["sent_bytes"] += sum(op.tensor.nbytes for op in operations if op.op == torch.distributed.isend)
 
     def step(self, *args, **kwargs):
-        record, held = dict(waited_s=0.0, sent_bytes=0, saved_bytes=0), {}  # held: storage -> (tensors, bytes)
+        record = dict(waited_s=0.0, waits=[], sent_bytes=0, saved_bytes=0, started=time.perf_counter())
+        held = {}  # storage -> (saved tensors, bytes)
         parameters = {p.untyped_storage().data_ptr() for p in self.parameters()}
         steps.append(record)
 
@@ -328,10 +330,9 @@ def pipeline_worker(argv, out_path):
             record["saved_bytes"] = max(record["saved_bytes"], sum(size for _, size in held.values()))
             return Saved(tensor, lambda: release(key))
 
-        start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: getattr(saved, "tensor", saved)):
             loss = real_step(self, *args, **kwargs)
-        record["step_s"] = time.perf_counter() - start
+        record["step_s"] = time.perf_counter() - record["started"]
         return loss
 
     train_pp.exchange, train_pp.PipelineParallel.step = exchange, step
@@ -371,7 +372,8 @@ def pipeline(args, tmp):
                                 saved_bytes=max(s["saved_bytes"] for s in timed), planned_bytes=sum(
                                     size for item, size in plan_rows if item.startswith(("activations", "bfloat16"))),
                                 sent_bytes=timed[-1]["sent_bytes"], formula_bytes=sends * args.micro_batch
-                                * args.block_size * config.n_embd * 4)  # float32: the residual stream
+                                * args.block_size * config.n_embd * 4,  # float32: the residual stream
+                                waits=timed[-1]["waits"], step_s=timed[-1]["step_s"])  # the last step's timeline
                 row["stages"].append(measured)
                 print(f"  {schedule:5} stage {stage}: bubble {measured['bubble']:.3f} | activations at the peak "
                       f"{measured['saved_bytes'] / 2**20:.2f} MiB, planned {measured['planned_bytes'] / 2**20:.2f} MiB"

@@ -34,6 +34,7 @@ import gpt
 import plan
 import prepare_data
 import train_ddp
+import train_pp
 import training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -78,6 +79,40 @@ def comm_bytes(args, tmp):
             row[impl] = bench.run_once(bench_args, name, script, ranks, extra, impl, group_size, 16, tmp)["comm_bytes"]
         result[name] = row
     return result
+
+
+def pipeline_timeline(args, tmp):
+    """{schedule: [per stage: {"waits": [(start, end)], "step_s"}]}: one step of train_pp.py on 2 stages, 4
+    micro-batches, from bench.py --pipeline's measurement."""
+    bench_args = argparse.Namespace(model="tiny", data=args.data, block_size=args.block_size, global_batch=8,
+                                    micro_batch=2, steps=8, warmup=3, device="cpu", dtype="float32", compile=False,
+                                    threads=1)
+    rows = [row for row in bench.pipeline(bench_args, tmp) if row["impl"] == "ours"]
+    return {row["schedule"]: [dict(waits=s["waits"], step_s=s["step_s"]) for s in row["stages"]] for row in rows}
+
+
+def draw_pipeline(plt, timeline, path):
+    """Each stage's step as it ran: a box for each forward (F) and backward (B), in the schedule's order between its
+    waits on sends and receives; the white between the boxes is the bubble."""
+    figure, axes = plt.subplots(len(timeline), 1, figsize=(10, 1.3 + 1.1 * len(timeline)), sharex=True)
+    for axis, (name, stages) in zip(axes, timeline.items()):
+        for stage, measured in enumerate(stages):
+            actions = train_pp.schedule(name, stage, len(stages), 4)
+            ends = [end for _, end in measured["waits"]]  # an action runs from one wait's end to the next's start
+            starts = [start for start, _ in measured["waits"]][1:]
+            for (kind, i), begin, finish in zip(actions, ends, starts):
+                color = "#4477aa" if kind == "forward" else "#ee6677"
+                axis.barh(stage, 1000 * (finish - begin), left=1000 * begin, color=color, edgecolor="white")
+                axis.text(1000 * (begin + finish) / 2, stage, f"{kind[0].upper()}{i}", ha="center", va="center",
+                          color="white", fontsize=7)
+        axis.set_yticks(range(len(stages)), [f"stage {s}" for s in range(len(stages))])
+        axis.invert_yaxis()
+        axis.set_title(f"{name}: one step, 2 stages, 4 micro-batches (bubble formula (p-1)/(m+p-1) = 0.2)",
+                       fontsize=9)
+    axes[-1].set_xlabel("ms from the start of the step (each stage's own clock; CPU, gloo, tiny model)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 def draw_losses(plt, curves, path):
@@ -352,6 +387,9 @@ def main(argv=None):
             numbers["comm_bytes"], numbers["losses"] = comm_bytes(args, tmp), loss_curves(args, tmp)
         draw_comm(plt, numbers["comm_bytes"], args.block_size, os.path.join(args.out_dir, "comm_bytes.png"))
         draw_losses(plt, numbers["losses"], os.path.join(args.out_dir, "losses.png"))
+        if "pipeline" not in numbers:  # a figures.json from before the pipeline's figure: run it
+            numbers["pipeline"] = pipeline_timeline(args, tmp)
+        draw_pipeline(plt, numbers["pipeline"], os.path.join(args.out_dir, "pipeline.png"))
     numbers["memory"] = memory_rows()
     draw_memory(plt, numbers["memory"], os.path.join(args.out_dir, "memory.png"))
     reference = dict(numbers["losses"]["single"])

@@ -1447,7 +1447,7 @@ def test_figures_are_drawn_from_real_runs(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(figures, "COMM_STRATEGIES", ["ddp"])
     monkeypatch.setattr(figures, "COMM_IMPLS", ["ours"])
     figures.main(["--steps", "3", "--block_size", "32", "--data", corpus, "--out_dir", str(tmp_path)])
-    pictures = {"losses.png", "comm_bytes.png"} | {f"layout_{strategy}.png" for strategy in figures.LAYOUTS}
+    pictures = {"losses.png", "comm_bytes.png", "pipeline.png"} | {f"layout_{strategy}.png" for strategy in figures.LAYOUTS}
     assert pictures | {"figures.json"} <= set(os.listdir(tmp_path))
     assert all((tmp_path / name).read_bytes()[:4] == b"\x89PNG" for name in pictures)
     numbers = json.loads((tmp_path / "figures.json").read_text())
