@@ -3034,6 +3034,15 @@ def fault_wrapper(tmp_path, script="train_ddp.py", rank=1, step=KILL_STEP, fault
     return str(path), marker
 
 
+def launch_with_fault(tmp_path, fault, argv):
+    """torchrun of train_ddp.py on 2 ranks, `fault` striking rank 1 at KILL_STEP: (torchrun's exit code, its output,
+    the seconds from the fault to torchrun's end)."""
+    wrapper, marker = fault_wrapper(tmp_path, fault=fault)
+    with launcher(tmp_path) as start:
+        code, output, ended = start(*standalone(2, wrapper, argv)).wait()
+    return code, output, ended - fault_time(marker)
+
+
 def fault_time(marker):
     with open(marker) as f:
         return float(f.read())
@@ -3112,10 +3121,7 @@ def test_killed_worker_ends_the_job_then_resume_finishes_it(corpus, tmp_path, tm
     have drawn."""
     out_dir = tmp_path / "out"
     argv = flags(corpus, out_dir, ckpt_interval=2, timeout=COLLECTIVE_TIMEOUT_S, dropout=DROPOUT)
-    wrapper, marker = fault_wrapper(tmp_path, fault="kill")
-    with launcher(tmp_path) as start:
-        code, output, ended = start(*standalone(2, wrapper, argv)).wait()
-    seconds = ended - fault_time(marker)
+    code, output, seconds = launch_with_fault(tmp_path, "kill", argv)
     print(f"\nkilled rank 1 at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
     assert code != 0
     assert seconds < COLLECTIVE_TIMEOUT_S, output[-5000:]
@@ -3136,10 +3142,7 @@ def test_sigterm_to_torchrun_saves_the_step_and_resume_is_bit_identical(corpus, 
     ends bit-identical to the one never stopped, dropout masks included."""
     out_dir = tmp_path / "out"
     argv = flags(corpus, out_dir, ckpt_interval=100, timeout=COLLECTIVE_TIMEOUT_S, dropout=DROPOUT)
-    wrapper, marker = fault_wrapper(tmp_path, fault="sigterm_torchrun")
-    with launcher(tmp_path) as start:
-        code, output, ended = start(*standalone(2, wrapper, argv)).wait()
-    seconds = ended - fault_time(marker)
+    code, output, seconds = launch_with_fault(tmp_path, "sigterm_torchrun", argv)
     print(f"\nSIGTERM to torchrun at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
     assert code != 0 and seconds < training.SIGTERM_GRACE_S, output[-5000:]
     stopped = f"error: stopped on request (SIGTERM) after step {KILL_STEP + 1}"
@@ -3178,10 +3181,7 @@ def test_stuck_rank_makes_the_others_time_out(corpus, tmp_path):
     """A rank that stops taking part (a deadlock, a stalled link) ends the job after --timeout, not never."""
     timeout = 5
     argv = flags(corpus, tmp_path / "out", timeout=timeout)
-    wrapper, marker = fault_wrapper(tmp_path, fault="hang")
-    with launcher(tmp_path) as start:
-        code, output, ended = start(*standalone(2, wrapper, argv)).wait()
-    seconds = ended - fault_time(marker)
+    code, output, seconds = launch_with_fault(tmp_path, "hang", argv)
     print(f"\nrank 1 stuck at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
     assert code != 0
     # torchrun ends rank 1 with SIGTERM, which gives it SIGTERM_GRACE_S to save a step it will never finish
@@ -3283,7 +3283,7 @@ def test_quick_start_runs_in_the_readme_order(corpus, tmp_path):
         with launcher(tmp_path) as start:
             code, output, _ = start(*words, *SHORTER_RUN, via_torchrun=command.startswith("torchrun"), cwd=repo).wait()
         assert code == 0 and "from scratch" in output and "sample:" in output, f"{command}\n{output[-3000:]}"
-    assert sorted(os.listdir(repo / "out")) == ["2d", "ddp", "fsdp", "single", "tp"]
+    assert sorted(os.listdir(repo / "out")) == ["2d", "ddp", "fsdp", "pp", "single", "tp"]
 
 
 def test_the_quick_start_figures_are_of_the_default_run():
