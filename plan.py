@@ -195,7 +195,8 @@ def stage_plan(config, layout, stage, layers, schedule):
     rows = [(f"stage {stage} of {layout.pp} ({len(held)} blocks): parameters (float32)", 4 * params),
             ("gradients (float32)", 4 * params),
             ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * len(names)),
-            (f"activations of {in_flight} micro-batches in flight ({layout.schedule})", in_flight * per_micro_batch)]
+            (f"activations of {in_flight} micro-batch{'es' * (in_flight > 1)} in flight ({layout.schedule})",
+             in_flight * per_micro_batch)]
     if e == 2:
         rows.append(("bfloat16 weight copies, one a micro-batch in flight (autocast)", in_flight * 2 * cast))
     if recompute:
