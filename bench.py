@@ -301,13 +301,16 @@ def pipeline_worker(argv, out_path):
     held saved for backward at once, parameters left out. Rank r writes them to out_path.r."""
     import train_pp
 
-    real_exchange, real_step, steps = train_pp.exchange, train_pp.PipelineParallel.step, []
+    real_exchange = train_pp.exchange
+    real_step = train_pp.PipelineParallel.step
+    steps = []
 
     def exchange(operations):
         start = time.perf_counter()
         real_exchange(operations)
-        steps[-1]["waited_s"] += time.perf_counter() - start
-        steps[-1]["waits"].append((start - steps[-1]["started"], time.perf_counter() - steps[-1]["started"]))
+        end = time.perf_counter()
+        steps[-1]["waited_s"] += end - start
+        steps[-1]["waits"].append((start - steps[-1]["started"], end - steps[-1]["started"]))
         steps[-1]["sent_bytes"] += sum(op.tensor.nbytes for op in operations if op.op == torch.distributed.isend)
 
     def step(self, *args, **kwargs):
@@ -335,7 +338,8 @@ def pipeline_worker(argv, out_path):
         record["step_s"] = time.perf_counter() - record["started"]
         return loss
 
-    train_pp.exchange, train_pp.PipelineParallel.step = exchange, step
+    train_pp.exchange = exchange
+    train_pp.PipelineParallel.step = step
     train_pp.main(argv)
     with open(f"{out_path}.{os.environ.get('RANK', 0)}", "w") as f:
         json.dump(steps, f)
