@@ -96,8 +96,9 @@ def draw_pipeline(plt, timeline, path):
     waits on sends and receives; the white between the boxes is the bubble."""
     figure, axes = plt.subplots(len(timeline), 1, figsize=(10, 1.3 + 1.1 * len(timeline)), sharex=True)
     for axis, (name, stages) in zip(axes, timeline.items()):
+        micro_batches = (len(stages[0]["waits"]) - 1) // 2  # a wait before each action, and the last sends
         for stage, measured in enumerate(stages):
-            actions = train_pp.schedule(name, stage, len(stages), 4)
+            actions = train_pp.schedule(name, stage, len(stages), micro_batches)
             ends = [end for _, end in measured["waits"]]  # an action runs from one wait's end to the next's start
             starts = [start for start, _ in measured["waits"]][1:]
             for (kind, i), begin, finish in zip(actions, ends, starts):
@@ -107,8 +108,9 @@ def draw_pipeline(plt, timeline, path):
                           color="white", fontsize=7)
         axis.set_yticks(range(len(stages)), [f"stage {s}" for s in range(len(stages))])
         axis.invert_yaxis()
-        axis.set_title(f"{name}: one step, 2 stages, 4 micro-batches (bubble formula (p-1)/(m+p-1) = 0.2)",
-                       fontsize=9)
+        p, m = len(stages), micro_batches
+        axis.set_title(f"{name}: one step, {p} stages, {m} micro-batches (bubble formula (p-1)/(m+p-1) = "
+                       f"{(p - 1) / (m + p - 1):.2f})", fontsize=9)
     axes[-1].set_xlabel("ms from the start of the step (each stage's own clock; CPU, gloo, tiny model)")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
