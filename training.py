@@ -162,7 +162,7 @@ def run(main):
 
 def exit_code(main):
     """main()'s exit code. A crash keeps its traceback (@record hands it to torchrun's summary). A UsageError or a
-    Stopped, which every rank raises alike, and Ctrl-C are one line, `error: <message>`, from rank 0 for all."""
+    Stopped, which every rank raises alike, is one line, `error: <message>`, from rank 0 for all; so is Ctrl-C."""
     interrupted = []
 
     def interrupt(number, frame):
