@@ -134,11 +134,11 @@ def publish(out_dir, step, world_size, meta, keep=0):
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
-def save(args, step, tensors, config, device, rank=0, world_size=1, streams=None):
+def save(args, step, tensors, config, device, rank=0, world_size=1):
     """Every rank writes its pieces, then rank 0 publishes the checkpoint. The ranks agree after each phase: a write
     that fails anywhere (no space, no permission) publishes nothing, removes the folder and stops every rank."""
     folder = os.path.join(args.out_dir, f"ckpt-{step:07d}.tmp")
-    write_everywhere(lambda: save_shard(args.out_dir, step, rank, tensors, rng_state(device, streams)),
+    write_everywhere(lambda: save_shard(args.out_dir, step, rank, tensors, rng_state(device)),
                      folder, tensors, rank, world_size)
 
     def publish_on_rank_0():
@@ -306,14 +306,14 @@ def load(checkpoint, parts, optimizer, config):
         optimizer.load_state_dict(state_dict)
 
 
-def resume(path, parts, optimizer, config, rank, device, streams=None):
+def resume(path, parts, optimizer, config, rank, device):
     """Load checkpoint `path` (None: start fresh) into this rank's parts; returns the step to continue from."""
     if path is None:
         return 0
     checkpoint = Checkpoint(path)
     load(checkpoint, parts, optimizer, config)
     if rank < len(checkpoint.shards):  # a rank the saving run did not have starts its generators afresh
-        set_rng_state(checkpoint.shards[rank]["rng"], device, streams)
+        set_rng_state(checkpoint.shards[rank]["rng"], device)
     return checkpoint.meta["step"]
 
 
@@ -321,20 +321,17 @@ def resume(path, parts, optimizer, config, rank, device, streams=None):
 # Random state: dropout continues on resume exactly as in a run that was never stopped
 
 
-def rng_state(device, streams=None):
-    """Every generator this rank draws from: the default ones (CPU, and this GPU's) and a strategy's streams."""
-    state = {"cpu": torch.get_rng_state(), "streams": {name: s.state for name, s in (streams or {}).items()}}
+def rng_state(device):
+    """The generators this rank draws from: CPU's, and this GPU's (train_tp.py's dropout seeds come from them)."""
+    state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state, device, streams=None):
+def set_rng_state(state, device):
     if state is None:
         return
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-    for name, stream_state in state.get("streams", {}).items():
-        if name in (streams or {}):
-            streams[name].state = stream_state

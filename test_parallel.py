@@ -1783,7 +1783,7 @@ def _samples_on_every_rank(script):
         model = gpt.GPT(config)
     if script == "2d":
         tp_group, dp_group = train_2d.new_groups(2, 2)
-        train_tp.parallelize(model, tp_group, dropout_seed=10 + dist.get_rank())
+        train_tp.parallelize(model, tp_group)
         tp_parts = {part.name: part for part in checkpoint.parameter_parts(model)}
 
         def initial_value(name, param, flat):  # this rank's FSDP shard of its tensor-parallel slice
@@ -1951,11 +1951,11 @@ def test_tp_torch_matches_single_and_ours(corpus, shared_tmp, tmp_path_factory, 
     assert_runs_match(torch_run, _ours[2, sequence_parallel, loss_parallel])
 
 
-def _tensor_parallel_model(config, seed, sequence_parallel=False, loss_parallel=True, dropout_seed=0, init_from=None):
+def _tensor_parallel_model(config, seed, sequence_parallel=False, loss_parallel=True, init_from=None):
     """A gpt.GPT built on meta, parallelised over the world and initialised as train_tp.main does."""
     with torch.device("meta"):
         model = gpt.GPT(config)
-    train_tp.parallelize(model, dist.group.WORLD, sequence_parallel, loss_parallel, dropout_seed)
+    train_tp.parallelize(model, dist.group.WORLD, sequence_parallel, loss_parallel)
     model.to_empty(device="cpu")
     model.lm_head.weight = model.wte.weight
     value = training.initial_values(config, seed, init_from)
@@ -2172,7 +2172,7 @@ def test_tp_dropout_differs_inside_the_region_and_agrees_outside(corpus, shared_
 def _sequence_parallel_masks():
     config = gpt.make_config("tiny", vocab_size=256, block_size=16, dropout=0.5)
     torch.manual_seed(1234)  # as train_tp.main: the default generator is the same on every tp rank
-    model = _tensor_parallel_model(config, 0, sequence_parallel=True, dropout_seed=1234 + 2 + dist.get_rank())
+    model = _tensor_parallel_model(config, 0, sequence_parallel=True)
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with RecordOutputs() as mode:
         model(idx, idx).backward()
@@ -2750,7 +2750,7 @@ def test_resume_with_dropout_is_bit_identical(corpus, tmp_path_factory, shared_t
 # ------------------------------------------------------------------------------------------------------------
 # --activation_checkpointing: each block keeps only its input and recomputes the rest in backward, where the
 # strategy has made the block's weights available again (FSDP gathers the unit for backward) and the random state
-# is restored (torch restores the default generators, training.recompute_streams the strategy's RNGStreams). The math is
+# is restored (torch restores the default generators, from which train_tp.RNGFork draws its seeds). The math is
 # unchanged: the same layouts against train_single.py within the same tolerances, and with dropout each layout
 # bit-identical to itself without checkpointing (the recompute draws the masks the forward drew).
 

@@ -81,11 +81,9 @@ def main(argv=None):
     if args.impl == "torch":
         import torch_reference
         model, groups, clip_grad_norm = torch_reference.fully_shard_tensor_parallel(model, config, args, device, tp, dp)
-        parts, streams = None, {}  # its checkpoints gather each tensor whole
+        parts = None  # its checkpoints gather each tensor whole
     else:
-        train_tp.parallelize(model, tp_group, args.sequence_parallel, not args.no_loss_parallel,
-                             dropout_seed=args.seed + 1000 * (1 + rank))
-        streams = model.rng_streams
+        train_tp.parallelize(model, tp_group, args.sequence_parallel, not args.no_loss_parallel)
         tp_parts = {part.name: part for part in checkpoint.parameter_parts(model)}
         value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
         model = train_fsdp.FullyShardedDataParallel(
@@ -95,10 +93,10 @@ def main(argv=None):
         groups, parts = model.parameter_groups(), [checkpoint.Part(*where) for where in model.parts()]
         clip_grad_norm = lambda limit: train_tp.clip_grad_norm_(parts, limit, tp_group)  # noqa: E731
     optimizer = training.make_optimizer(groups, args, device)
-    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing, streams)
+    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device, streams)
+    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
     tp_groups, dp_groups = grid(tp, dp)
     logger.print(f"grid: {dp} data-parallel x {tp} tensor-parallel | TP groups {tp_groups} | DP groups {dp_groups}")
@@ -134,7 +132,7 @@ def main(argv=None):
             first = dist.get_rank(tp_group) == 0
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None else
                        checkpoint.pieces([part for part in parts if part.sliced or first], optimizer))
-            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size, streams)
+            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
         if stopping:
             stop_request.stop(step + 1, args.out_dir)
 

@@ -193,25 +193,26 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None  # autograd casts it back to the logits' dtype
 
 
-class RNGStream:
-    """A second stream of random numbers, as Megatron-LM's RNG tracker forks one: dropout on a rank's own heads must
-    differ across ranks, dropout on what every rank holds alike must agree. `swap`, a forward hook where the region
-    starts and again where it ends, trades the default generators' state for the stream's."""
+class RNGFork:
+    """Megatron-LM's RNG fork: dropout on a rank's own heads (or sequence shard) must differ across ranks, dropout on
+    what every rank holds alike must agree. `enter`, a hook where the region starts, draws a seed from the default
+    generators (alike on every rank) and reseeds them with it plus the rank; `leave`, where it ends, restores them.
+    The seed is drawn from their state, so a resumed run or a recomputed block, which restore it, replays each mask."""
 
-    def __init__(self, seed):
-        self.seed = seed
-        self.state = None  # (CPU generator state, this GPU's or None) while the region is not running
+    def __init__(self, rank):
+        self.rank = rank
+        self.outside = None  # the default generators' state (CPU, this GPU's or None) while the region runs
 
-    def swap(self, module, args, *output):
+    def enter(self, module, args):
+        seed = int(torch.randint(2**62, ()))  # advances the default generator: the next region draws another
         device = args[0].device
-        current = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-        if self.state is None:  # the stream's first use
-            torch.manual_seed(self.seed)
-        else:
-            torch.set_rng_state(self.state[0])
-            if self.state[1] is not None:
-                torch.cuda.set_rng_state(self.state[1], device)
-        self.state = current
+        self.outside = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        torch.manual_seed(seed + self.rank)
+
+    def leave(self, module, args, *output):
+        torch.set_rng_state(self.outside[0])
+        if self.outside[1] is not None:
+            torch.cuda.set_rng_state(self.outside[1], args[0].device)
 
 
 # What parallelize() splits in each block, by gpt.py's names: column-parallel linears by output rows (weight and
@@ -242,10 +243,9 @@ def sampling_hooks(model, multiple, gather):
     return model
 
 
-def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropout_seed=0):
+def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
     """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place, on meta before to_empty and
-    init_weights. dropout_seed seeds dropout on this rank's own heads: model.rng_streams["tensor_parallel"],
-    which checkpoints and recomputed blocks save and restore."""
+    init_weights."""
     model.wte = VocabParallelEmbedding(model.wte, group, sequence_parallel)
     model.lm_head.weight = model.wte.weight  # tied: the LM head is column-parallel over the same vocabulary rows
     for block in model.blocks:
@@ -253,20 +253,19 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True, dropo
             block.set_submodule(name, ColumnParallelLinear(block.get_submodule(name), group))
         for name in ROW_PARALLEL:
             block.set_submodule(name, RowParallelLinear(block.get_submodule(name), group, sequence_parallel))
-    rng = RNGStream(dropout_seed)
-    model.rng_streams = {"tensor_parallel": rng}
+    rng = RNGFork(dist.get_rank(group))
     for module in model.modules():
         if isinstance(module, gpt.CausalSelfAttention) and model.config.dropout:  # own heads: from here to proj
-            module.register_forward_pre_hook(rng.swap)
-            module.proj.register_forward_pre_hook(rng.swap)
+            module.register_forward_pre_hook(rng.enter)
+            module.proj.register_forward_pre_hook(rng.leave)
         if isinstance(module, (gpt.CausalSelfAttention, gpt.MLP)):  # f once per region: q, k and v share one
             module.register_forward_pre_hook(lambda module, args: f(args[0], group, sequence_parallel))
         if isinstance(module, nn.LayerNorm) and sequence_parallel:  # on the [T, B, C] in memory: batch-first copies
             module.register_forward_pre_hook(lambda module, args: args[0].transpose(0, 1))
             module.register_forward_hook(lambda module, args, out: out.transpose(0, 1))
         if isinstance(module, nn.Dropout) and sequence_parallel and model.config.dropout:  # this rank's shard
-            module.register_forward_pre_hook(rng.swap)
-            module.register_forward_hook(rng.swap)
+            module.register_forward_pre_hook(rng.enter)
+            module.register_forward_hook(rng.leave)
     if sequence_parallel:  # the token embeddings come out as this rank's sequence shard: so must the positions
         model.wpe.register_forward_pre_hook(lambda module, args: _split(args[0], group, 0))
     # The LM head's region: f, then batch-first as the loss flattens it (a [B, T, C] copy, not [B, T, V / tp])
@@ -342,14 +341,11 @@ def main(argv=None):
         import torch_reference
         model, groups, clip_grad_norm = torch_reference.tensor_parallel(model, config, args, device)
         parts = None  # its checkpoints gather each tensor whole
-        streams = {}
-    else:  # the last argument seeds dropout on this rank's heads
-        parallelize(model, dist.group.WORLD, args.sequence_parallel, not args.no_loss_parallel,
-                    args.seed + world_size + rank)
+    else:
+        parallelize(model, dist.group.WORLD, args.sequence_parallel, not args.no_loss_parallel)
         model.to_empty(device=device)
         model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
         parts = checkpoint.parameter_parts(model)
-        streams = model.rng_streams
         value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
         for part in parts:  # each rank reads its own slices only: together the ranks hold train_single's weights
             part.local().copy_(value(part.name, part.shape, part.box, part.flat))
@@ -359,10 +355,10 @@ def main(argv=None):
 
     # ---- strategy: sharded matrices, replicated norms and biases; replicated tensors are saved by rank 0 only
     optimizer = training.make_optimizer(groups, args, device)
-    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing, streams)
+    forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device, streams)
+    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
     modes = ", ".join([args.impl] + ["sequence parallel"] * args.sequence_parallel
                       + ["loss parallel"] * (not args.no_loss_parallel))
@@ -396,7 +392,7 @@ def main(argv=None):
         if checkpoint.due(step, args) or stopping:
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None else
                        checkpoint.pieces([part for part in parts if part.sliced or rank == 0], optimizer))
-            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size, streams)
+            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
         if stopping:
             stop_request.stop(step + 1, args.out_dir)
 

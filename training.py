@@ -13,7 +13,6 @@ import signal
 import sys
 import time
 import traceback
-from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
 import numpy as np
@@ -435,42 +434,27 @@ def make_optimizer(groups, args, device):
     return torch.optim.AdamW(param_groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
-def wrap_blocks(model, compile=False, activation_checkpointing=False, streams=None):
+def wrap_blocks(model, compile=False, activation_checkpointing=False):
     """Each transformer block's forward compiled (--compile) and recomputed in backward (--activation_checkpointing);
     returns the model. Compiled block by block, as torchtitan does: a model compiled whole runs its backward as one
     autograd node, so DDP's gradient hooks would fire only after all of backward, and FSDP's module hooks would break
     the graph. A checkpointed block keeps only its input and runs forward again when backward reaches it (the
-    strategy's hooks have made its weights available by then). streams: train_tp.py's random streams, if any."""
+    strategy's hooks have made its weights available by then)."""
     for module in model.modules():
         if isinstance(module, gpt.Block):
             forward = torch.compile(module.forward) if compile else module.forward
-            module.forward = recomputed(forward, streams or {}) if activation_checkpointing else forward
+            module.forward = recomputed(forward) if activation_checkpointing else forward
     return model
 
 
-def recomputed(forward, streams):
-    """forward, under torch's non-reentrant checkpoint when autograd records. The recompute draws every dropout
-    mask again as it was: torch restores its default generators, recompute_streams restores the strategy's."""
+def recomputed(forward):
+    """forward, under torch's non-reentrant checkpoint when autograd records: the recompute restores the default
+    generators, so it draws every dropout mask again as it was."""
     def run(*args):
         if not torch.is_grad_enabled():  # evaluation and sampling: nothing to save, nothing to recompute
             return forward(*args)
-        states = {name: stream.state for name, stream in streams.items()}  # as this forward finds them
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
-                                                 context_fn=lambda: (nullcontext(), recompute_streams(streams, states)))
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False)
     return run
-
-
-@contextmanager
-def recompute_streams(streams, states):
-    """Each stream as the original forward found it, for the recompute; then as the recompute found it."""
-    current = {name: stream.state for name, stream in streams.items()}
-    for name, state in states.items():
-        streams[name].state = state
-    try:
-        yield
-    finally:
-        for name, state in current.items():
-            streams[name].state = state
 
 
 # ------------------------------------------------------------------------------------------------------------
