@@ -450,11 +450,11 @@ def wrap_blocks(model, compile=False, activation_checkpointing=False):
 def recomputed(forward):
     """forward, under torch's non-reentrant checkpoint when autograd records: the recompute restores the default
     generators, so it draws every dropout mask again as it was."""
-    def run(*args):
+    def checkpointed(*args):
         if not torch.is_grad_enabled():  # evaluation and sampling: nothing to save, nothing to recompute
             return forward(*args)
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False)
-    return run
+    return checkpointed
 
 
 # ------------------------------------------------------------------------------------------------------------
