@@ -24,9 +24,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state beside each parameter, save
 
 
 class Part(NamedTuple):
-    """Which part of the full tensor `name` this rank holds, and where: elements [flat[0], flat[1]) of the flattened
-    full[box] sit in tensor.view(-1) from `start` on. A tensor-parallel slice narrows the box, an FSDP shard the
-    flat range, 2-D both."""
+    """This rank's part of the full tensor `name`: elements [flat[0], flat[1]) of the flattened full[box], in
+    tensor.view(-1) from `start` on. A tensor-parallel slice narrows the box, an FSDP shard the flat range."""
     name: str
     shape: tuple
     box: tuple
@@ -61,8 +60,6 @@ def piece(shape, data, box=None, flat=None):
     """What a checkpoint stores of a part: `data` is elements [flat[0], flat[1]) of the flattened full[box]."""
     box = tuple(box or [(0, n) for n in shape])
     flat = tuple(flat or (0, math.prod(stop - start for start, stop in box)))
-    if data.numel() != flat[1] - flat[0]:
-        raise ValueError(f"piece of {data.numel()} elements for flat range {flat}")
     # A copy, not a view: torch.save writes a view's whole storage, e.g. an entire FSDP flat buffer.
     data = data.detach().reshape(-1).to("cpu", copy=True)
     return {"shape": tuple(shape), "box": box, "flat": flat, "data": data}
@@ -80,9 +77,8 @@ def pieces(parts, optimizer):
 
 
 def check_finite(step, loss, grad_norm, args):
-    """Before the optimizer step: a gradient norm that is not finite (a loss that is not gives one) stops the run,
-    weights, AdamW and checkpoints as they were after the last finite step. The norm is reduced over every rank: all
-    stop at the same step."""
+    """Before the optimizer step: a gradient norm that is not finite (reduced over every rank, so all agree) stops the
+    run, with weights, AdamW and checkpoints as they were after the last finite step."""
     if torch.isfinite(grad_norm):
         return
     last = latest(args.out_dir)
@@ -112,9 +108,8 @@ def save_shard(out_dir, step, rank, tensors, rng_state):
 
 
 def publish(out_dir, step, world_size, meta, keep=0):
-    """Rank 0, after every rank's save_shard has returned: write meta, rename the folder into place, repoint
-    `latest`, then delete all but the `keep` newest checkpoints (0: keep every one). A crash at any moment leaves
-    `latest` naming a complete checkpoint, the previous one until the os.replace."""
+    """Rank 0, after every rank's save_shard: write meta, rename the folder into place, repoint `latest`, delete all
+    but the `keep` newest (0: keep all). A crash at any moment leaves `latest` naming a complete checkpoint."""
     tmp = os.path.join(out_dir, f"ckpt-{step:07d}.tmp")
     final = os.path.join(out_dir, f"ckpt-{step:07d}")
     meta = dict(meta, step=step, files=[f"rank{r:05d}.pt" for r in range(world_size)])
@@ -280,8 +275,7 @@ class Checkpoint:
 @torch.no_grad()
 def load(checkpoint, parts, optimizer, config):
     """Fill this rank's parts (parameters, and AdamW moments unless optimizer is None) from a checkpoint of any
-    layout. Everything is checked before the first tensor is touched: a refused checkpoint leaves the model as it
-    was."""
+    layout. Everything is checked first: a refused checkpoint leaves the model as it was."""
     shapes = {part.name: part.shape for part in parts}
     with_moments = optimizer is not None and f"exp_avg/{parts[0].name}" in checkpoint.pieces
     if with_moments:
@@ -296,8 +290,7 @@ def load(checkpoint, parts, optimizer, config):
             for buffer, moment in zip(moments[part.tensor], MOMENTS):
                 part.local(buffer).copy_(checkpoint.region(f"{moment}/{part.name}", part))
     if moments:
-        # Through load_state_dict, so AdamW puts its step counter where its implementation (fused, foreach)
-        # wants it; every parameter has taken one update per optimizer step.
+        # Through load_state_dict: AdamW puts the step count where its implementation (fused, foreach) wants it.
         state_dict = optimizer.state_dict()
         index = {p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
         for param, (exp_avg, exp_avg_sq) in moments.items():
@@ -312,26 +305,17 @@ def resume(path, parts, optimizer, config, rank, device):
         return 0
     checkpoint = Checkpoint(path)
     load(checkpoint, parts, optimizer, config)
-    if rank < len(checkpoint.shards):  # a rank the saving run did not have starts its generators afresh
+    if rank < len(checkpoint.shards) and checkpoint.shards[rank]["rng"]:  # a rank the saving run lacked starts afresh
         set_rng_state(checkpoint.shards[rank]["rng"], device)
     return checkpoint.meta["step"]
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Random state: dropout continues on resume exactly as in a run that was never stopped
-
-
 def rng_state(device):
-    """The generators this rank draws from: CPU's, and this GPU's (train_tp.py's dropout seeds come from them)."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+    """The generators this rank draws from, CPU's and this GPU's: dropout goes on after a resume as if never stopped."""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
 def set_rng_state(state, device):
-    if state is None:
-        return
     torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
+    if device.type == "cuda" and state.get("cuda") is not None:
         torch.cuda.set_rng_state(state["cuda"], device)

@@ -111,7 +111,6 @@ def check_arguments(args, device):
                          "bfloat16; use --attn sdpa otherwise")
     if args.tensorboard or args.wandb:
         import trackers  # only here: the optional trackers need their packages
-
         trackers.check(args)
     check_sampling_flags(args)
 
@@ -226,12 +225,9 @@ def get_device(args, local_rank=0):
     faster, but two float32 layouts then differ by far more than their reduction order, so it is off by default."""
     torch.backends.cuda.matmul.allow_tf32 = getattr(args, "tf32", False)
     torch.backends.cudnn.allow_tf32 = getattr(args, "tf32", False)
-    choice = args.device
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda but no CUDA device is visible; use --device cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA device is visible; use --device cpu")
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     # Ranks sharing a machine share its cores; oversubscribing them makes every rank several times slower.
@@ -283,10 +279,9 @@ def check_same_on_every_rank(args, script, world_size):
 
 
 class StopRequest:
-    """SIGTERM (a scheduler's preemption, or torchrun passing one on) or SIGUSR1 (Slurm's --signal=B:USR1@120, ahead
-    of the time limit) asks the run to stop after the step it is in: the ranks agree on that step (one all-reduce a
-    step), save it, and exit with PREEMPTED_EXIT_CODE. A rank still running SIGTERM_GRACE_S after a SIGTERM (stuck:
-    a peer is gone) is ended then."""
+    """SIGTERM (a preemption, or torchrun passing one on) or SIGUSR1 (Slurm's --signal=B:USR1@120) stops the run after
+    the step it is in: the ranks agree on that step (one all-reduce a step), save it, and exit PREEMPTED_EXIT_CODE.
+    A rank still running SIGTERM_GRACE_S after a SIGTERM (stuck: a peer is gone) is ended then."""
 
     def __init__(self):
         self.received = set()
@@ -365,7 +360,6 @@ def load_data(args, dp_rank, dp_size, device, is_writer):
                              dp_rank, dp_size, args.seed, device) for split in ("train", "val")]
     if args.init_from:
         import hugging_face  # only here: reading GPT-2's weights needs safetensors and the Hugging Face hub
-
         return meta, hugging_face.pretrained_config(args, meta), *samplers
     config = gpt.make_config(args.model or "tiny", meta["vocab_size"], args.block_size, args.dropout)
     return meta, config, *samplers
@@ -377,7 +371,6 @@ def initial_values(config, seed, init_from=None):
     A rank asks for its own part only: a tensor-parallel slice (a box), an FSDP shard (a flat range)."""
     if init_from:
         import hugging_face
-
         read = hugging_face.reader(init_from, config)  # reads only the rows that hold the part asked for
     else:
         read = lambda name, shape, box: gpt.initial_value(name, shape, config, seed)[tuple(slice(*b) for b in box)]
@@ -421,9 +414,8 @@ def decay_groups(parameters):
 
 
 def make_optimizer(groups, args, device):
-    """AdamW over groups = (with weight decay, without), e.g. from decay_groups(). Fused on every device: the CPU
-    runs the kernel CUDA runs, so the tests see what a GPU sees. A fused step refuses a group that mixes DTensors
-    with plain tensors (torch_reference's tensor parallelism leaves norms and wpe plain): one group per kind."""
+    """AdamW over groups = (with weight decay, without). Fused on every device, so the tests run the kernel CUDA runs;
+    one group per kind, since a fused step refuses DTensors mixed with plain tensors (--impl torch's TP leaves some)."""
     param_groups = []
     for params, weight_decay in zip(groups, (args.weight_decay, 0.0)):
         params = list(params)
@@ -435,11 +427,10 @@ def make_optimizer(groups, args, device):
 
 
 def wrap_blocks(model, compile=False, activation_checkpointing=False):
-    """Each transformer block's forward compiled (--compile) and recomputed in backward (--activation_checkpointing);
-    returns the model. Compiled block by block, as torchtitan does: a model compiled whole runs its backward as one
-    autograd node, so DDP's gradient hooks would fire only after all of backward, and FSDP's module hooks would break
-    the graph. A checkpointed block keeps only its input and runs forward again when backward reaches it (the
-    strategy's hooks have made its weights available by then)."""
+    """Each transformer block's forward compiled (--compile) and recomputed in backward (--activation_checkpointing).
+    Block by block, as torchtitan does: a model compiled whole runs its backward as one autograd node, so DDP's
+    gradient hooks would fire only after all of backward, and FSDP's module hooks would break the graph. A recomputed
+    block keeps only its input; the strategy's hooks have made its weights available again when backward reaches it."""
     for module in model.modules():
         if isinstance(module, gpt.Block):
             forward = torch.compile(module.forward) if compile else module.forward
@@ -538,7 +529,6 @@ class Logger:
             os.makedirs(args.out_dir, exist_ok=True)
         if self.writes and (args.tensorboard or args.wandb):
             import trackers
-
             self.trackers = trackers.Trackers(args)
 
     def print(self, text):
