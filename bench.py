@@ -8,7 +8,7 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py --gpu_check --device cuda --json gpu.json   # a GPU machine's first check: runs gpu_check.py
     python bench.py --checkpointing                  # what --activation_checkpointing costs and saves, per strategy
     python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (plan.py's)
-    python bench.py --pipeline --micro_batch 2       # train_pp.py: bubble, activations and sends against formulas
+    python bench.py --pipeline --micro_batch 2       # train_pp.py against its formulas: runs bench_pipeline.py
 
 Each run is a fresh `torchrun --standalone` of the training script for --steps optimizer steps. Runs are
 interleaved (round 1: ours, torch, ...; round 2: ours, torch, ...) so that drift of the machine hits both sides
@@ -32,8 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import weakref
 from contextlib import contextmanager
 
 import torch
@@ -43,7 +41,6 @@ import plan
 import prepare_data
 import train_ddp
 import train_fsdp
-import train_pp
 import train_tp
 import training
 
@@ -283,111 +280,6 @@ def launch(script, flags, out_dir, ranks=1, threads=1, env=None, timeout=None):
         return [json.loads(line) for line in f], output
 
 
-# ------------------------------------------------------------------------------------------------------------
-# --pipeline: train_pp.py's bubble, saved activations and sends, each beside its formula
-
-
-class Saved:
-    """What pipeline_worker's pack hook gives autograd for a tensor: `release` runs once autograd lets go of it."""
-
-    def __init__(self, tensor, release):
-        self.tensor = tensor
-        weakref.finalize(self, release)
-
-
-def pipeline_worker(argv, out_path):
-    """Inside each rank of a train_pp.py run: for every optimizer step, its seconds, the seconds the stage waited on
-    its sends and receives (the bubble, and the transfers) and when, the bytes it sent, and the most bytes autograd
-    held saved for backward at once, parameters left out. Rank r writes them to out_path.r."""
-    import train_pp
-
-    real_exchange = train_pp.exchange
-    real_step = train_pp.PipelineParallel.step
-    steps = []
-
-    def exchange(operations):
-        start = time.perf_counter()
-        real_exchange(operations)
-        end = time.perf_counter()
-        steps[-1]["waited_s"] += end - start
-        steps[-1]["waits"].append((start - steps[-1]["started"], end - steps[-1]["started"]))
-        steps[-1]["sent_bytes"] += sum(op.tensor.nbytes for op in operations if op.op == torch.distributed.isend)
-
-    def step(self, *args, **kwargs):
-        record = dict(waited_s=0.0, waits=[], sent_bytes=0, saved_bytes=0, started=time.perf_counter())
-        held = {}  # storage -> (saved tensors, bytes)
-        parameters = {p.untyped_storage().data_ptr() for p in self.parameters()}
-        steps.append(record)
-
-        def release(key):
-            count, size = held.pop(key)
-            if count > 1:
-                held[key] = (count - 1, size)
-
-        def pack(tensor):
-            key = tensor.untyped_storage().data_ptr()
-            if key in parameters:
-                return tensor
-            count, size = held.get(key, (0, tensor.untyped_storage().nbytes()))
-            held[key] = (count + 1, size)
-            record["saved_bytes"] = max(record["saved_bytes"], sum(size for _, size in held.values()))
-            return Saved(tensor, lambda: release(key))
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: getattr(saved, "tensor", saved)):
-            loss = real_step(self, *args, **kwargs)
-        record["step_s"] = time.perf_counter() - record["started"]
-        return loss
-
-    train_pp.exchange = exchange
-    train_pp.PipelineParallel.step = step
-    train_pp.main(argv)
-    with open(f"{out_path}.{os.environ.get('RANK', 0)}", "w") as f:
-        json.dump(steps, f)
-
-
-def pipeline(args, tmp):
-    """--pipeline: train_pp.py on 2 stages, each schedule, ours and torch's: tokens/s; and for each stage of ours,
-    the median over the steps after --warmup of the bubble, the activations saved at the peak and the bytes sent,
-    beside (p - 1) / (m + p - 1), the planner's activations and the sends' formula."""
-    config = gpt.make_config(args.model, prepare_data.ensure_data(args.data, is_writer=True)["vocab_size"],
-                             args.block_size)
-    layout = plan.Layout("pp", 2, 1, 1, args.micro_batch, args.dtype, device=args.device, pp=2,
-                         micro_batches=args.global_batch // args.micro_batch)
-    sends = layout.micro_batches  # a stage of 2 sends each micro-batch's activation forward, or its gradient back
-    flags = our_flags(args, args.global_batch) + ["--micro_batch", str(args.micro_batch), "--pp", "2"]
-    rows = []
-    print(f"train_pp.py: {args.model}, 2 stages, m = {layout.micro_batches} micro-batches of {args.micro_batch}; "
-          f"bubble formula (p - 1) / (m + p - 1) = {1 / (layout.micro_batches + 1):.3f}")
-    for schedule in ("gpipe", "1f1b"):
-        for impl in ("ours", "torch"):
-            out = os.path.join(tmp, f"pp-{schedule}-{impl}")
-            worker = ["--pipeline_worker", out + ".stages", "--"] + flags + ["--schedule", schedule, "--impl", impl]
-            records, output = launch(os.path.abspath(__file__), worker, out, 2, args.threads)
-            if records is None:
-                raise SystemExit(f"train_pp.py --schedule {schedule} --impl {impl} failed:\n{output[-3000:]}")
-            tokens_per_s = statistics.median(r["tokens_per_s"] for r in records[args.warmup:])
-            row = dict(schedule=schedule, impl=impl, tokens_per_s=tokens_per_s, stages=[])
-            for stage in range(2) if impl == "ours" else []:
-                with open(f"{out}.stages.{stage}") as f:
-                    timed = json.load(f)[args.warmup:]
-                plan_rows = plan.stage_plan(config, layout._replace(schedule=schedule), stage, train_pp.stage_layers,
-                                            train_pp.schedule)
-                measured = dict(bubble=statistics.median(s["waited_s"] / s["step_s"] for s in timed),
-                                saved_bytes=max(s["saved_bytes"] for s in timed), planned_bytes=sum(
-                                    size for item, size in plan_rows if item.startswith(("activations", "bfloat16"))),
-                                sent_bytes=timed[-1]["sent_bytes"], formula_bytes=sends * args.micro_batch
-                                * args.block_size * config.n_embd * 4,  # float32: the residual stream
-                                waits=timed[-1]["waits"], step_s=timed[-1]["step_s"])  # the last step's timeline
-                row["stages"].append(measured)
-                print(f"  {schedule:5} stage {stage}: bubble {measured['bubble']:.3f} | activations at the peak "
-                      f"{measured['saved_bytes'] / 2**20:.2f} MiB, planned {measured['planned_bytes'] / 2**20:.2f} MiB"
-                      f" | sent {measured['sent_bytes'] / 2**20:.3f} MiB a step, formula "
-                      f"{measured['formula_bytes'] / 2**20:.3f} MiB")
-            print(f"  {schedule:5} {impl:5}: {tokens_per_s:,.0f} tokens/s")
-            rows.append(row)
-    return rows
-
-
 def checkpointing_cost(args, table, chosen, tmp):
     """--checkpointing: each strategy (ours) without and with --activation_checkpointing, interleaved by round:
     tokens/s, the bytes the first micro-batch saved for backward (measured: memory_held), and peak memory."""
@@ -419,50 +311,57 @@ def checkpointing_cost(args, table, chosen, tmp):
     return rows
 
 
+def arguments(description):
+    """The flags of every benchmarked run, bench.py's and bench_pipeline.py's: a group after the file's own."""
+    p = argparse.ArgumentParser(description=description, formatter_class=training.HelpFormatter)
+    add = p.add_argument_group("every run").add_argument
+    add("--model", default="tiny", choices=list(gpt.PRESETS), help="model size, from gpt.py's presets")
+    add("--data", default=training.DEFAULT_DATA_DIR,
+        help="prepared data folder (default: the embedded corpus, built on first use)")
+    add("--vocab_size", type=int,
+        help="train on synthetic tokens of this vocabulary (GPT-2's: 50257), made offline, not on --data")
+    add("--block_size", type=int, default=128, help="context length, in tokens")
+    add("--global_batch", type=int, default=16, help="sequences per optimizer step")
+    add("--micro_batch", type=int, default=1, help="--pipeline, --what_fits: sequences per micro-step")
+    add("--steps", type=int, default=30, help="optimizer steps of each run")
+    add("--warmup", type=int, default=5, help="steps left out of the timing")
+    add("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
+    add("--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="bfloat16: autocast, float32 master weights")
+    add("--compile", action="store_true", help="torch.compile the model")
+    add("--threads", type=int, default=1, help="CPU threads per rank (and for the single baseline)")
+    add("--json", help="also write the rows to this file")
+    return p
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if "--gpu_check" in argv:  # a file of its own, run as its own process: gpu_check.py imports this one
-        command = [sys.executable, os.path.join(HERE, "gpu_check.py")] + [a for a in argv if a != "--gpu_check"]
-        raise SystemExit(subprocess.run(command).returncode)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=training.HelpFormatter)
+    # Modes in files of their own, run as their own processes: gpu_check.py and bench_pipeline.py import this one
+    for flag, script in (("--gpu_check", "gpu_check.py"), ("--pipeline", "bench_pipeline.py")):
+        if flag in argv:
+            command = [sys.executable, os.path.join(HERE, script)] + [a for a in argv if a != flag]
+            raise SystemExit(subprocess.run(command).returncode)
+    p = arguments(__doc__)
     p.add_argument("--strategies", default="single,ddp,fsdp,tp,2d", help="comma-separated strategies to run")
-    p.add_argument("--model", default="tiny", choices=list(gpt.PRESETS), help="model size, from gpt.py's presets")
-    p.add_argument("--data", default=training.DEFAULT_DATA_DIR,
-                   help="prepared data folder (default: the embedded corpus, built on first use)")
-    p.add_argument("--vocab_size", type=int,
-                   help="train on synthetic tokens of this vocabulary (GPT-2's: 50257), made offline, not on --data")
     p.add_argument("--sequence_parallel", action="store_true", help="tp and 2d with --sequence_parallel")
-    p.add_argument("--block_size", type=int, default=128, help="context length, in tokens")
-    p.add_argument("--global_batch", type=int, default=16, help="sequences per optimizer step")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps of each run")
-    p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
     p.add_argument("--rounds", type=int, default=2, help="runs of each strategy and implementation; the best counts")
     p.add_argument("--bucket_mb", type=float, default=25, help="DDP's largest gradient bucket, in MiB")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="bfloat16: autocast, float32 master weights")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (and for the single baseline)")
-    p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--gpu_check", action="store_true",
                    help="python gpu_check.py with the other flags: a GPU machine's first check (gpu_check.py --help)")
     p.add_argument("--checkpointing", action="store_true",
                    help="what --activation_checkpointing costs and saves: each strategy (ours) without and with it")
-    p.add_argument("--pipeline", action="store_true", help="train_pp.py's bubble, activations and sends against "
-                   "their formulas, and its tokens/s against torch's (m = --global_batch / --micro_batch)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="python bench_pipeline.py with the other flags: train_pp.py's bubble, activations and sends "
+                   "against their formulas, its tokens/s against torch's (m = --global_batch / --micro_batch)")
     p.add_argument("--what_fits", action="store_true",
                    help="print plan.what_fits's table: the smallest layout for each preset on 8 and 64 GPUs (no runs)")
     p.add_argument("--gpu_memory", type=float, default=80, help="--what_fits: one GPU's memory, in GB (10^9 bytes)")
-    p.add_argument("--micro_batch", type=int, default=1, help="--what_fits, --pipeline: sequences per micro-step")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--profile_step", type=int, help=argparse.SUPPRESS)
     p.add_argument("--comms_out", help=argparse.SUPPRESS)
-    p.add_argument("--pipeline_worker", help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
     if args.worker:
         return worker(args.worker, rest[1:] if rest[:1] == ["--"] else rest, args.profile_step, args.comms_out)
-    if args.pipeline_worker:
-        return pipeline_worker(rest[1:] if rest[:1] == ["--"] else rest, args.pipeline_worker)
 
     if args.what_fits:
         return plan.what_fits(args.gpu_memory, args.micro_batch, **STRATEGY_CODE)
@@ -472,8 +371,8 @@ def main(argv=None):
             args.data = synthetic_data(os.path.join(tmp, f"vocab-{args.vocab_size}"), args.vocab_size)
         table = strategies(args)
         chosen = [s for s in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[s][0]))]
-        if args.checkpointing or args.pipeline:
-            rows = (checkpointing_cost(args, table, chosen, tmp) if args.checkpointing else pipeline(args, tmp))
+        if args.checkpointing:
+            rows = checkpointing_cost(args, table, chosen, tmp)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(rows, f, indent=2)
