@@ -22,6 +22,7 @@ On CPU, ranks get one thread each; so does the single-device baseline the scalin
 """
 
 import argparse
+import collections
 import importlib.util
 import json
 import math
@@ -175,8 +176,13 @@ def worker(script, argv, profile_step, out_path):
 # The driver
 
 
+# A benchmarked strategy: its script on `ranks` ranks with `flags`, run as each of `impls` (ours, --impl torch); the
+# ranks in each group its collectives run over; formula(): plan.comm_formula's [Term] of one step
+Strategy = collections.namedtuple("Strategy", "script ranks flags impls group_size formula")
+
+
 def strategies(args):
-    """name -> (script, ranks, extra flags, impls, group size of its collectives, formula: [Term] of one step)."""
+    """name -> Strategy, at this benchmark's model, batch, dtype and backend."""
     meta = prepare_data.ensure_data(args.data, is_writer=True)
     config = gpt.make_config(args.model, meta["vocab_size"], args.block_size)
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -184,18 +190,20 @@ def strategies(args):
         strategy, config, args.global_batch, dtype=args.dtype, backend=backend, bucket_mb=args.bucket_mb,
         buckets=train_ddp.assign_buckets, **STRATEGY_CODE, **layout)
     sequence_parallel = ["--sequence_parallel"] * args.sequence_parallel  # --sequence_parallel: tp and 2d with it
+    ours_and_torch = ["ours", "torch"]
     return {
-        "single": ("train_single.py", 1, [], [None], 1, lambda: []),
-        "ddp": ("train_ddp.py", 2, ["--bucket_mb", str(args.bucket_mb)], ["ours", "torch"], 2, formula("ddp", dp=2)),
-        "fsdp": ("train_fsdp.py", 2, [], ["ours", "torch"], 2, formula("fsdp", dp=2)),
-        "tp": ("train_tp.py", 2, ["--tp", "2"] + sequence_parallel, ["ours", "torch"], 2,
-               formula("tp", tp=2, sequence_parallel=args.sequence_parallel)),
-        "tp_sequence_parallel": ("train_tp.py", 2, ["--tp", "2", "--sequence_parallel"], ["ours", "torch"], 2,
-                                 formula("tp", tp=2, sequence_parallel=True)),
-        "tp_no_loss_parallel": ("train_tp.py", 2, ["--tp", "2", "--no_loss_parallel"], ["ours", "torch"], 2,
-                                formula("tp", tp=2, loss_parallel=False)),
-        "2d": ("train_2d.py", 4, ["--tp", "2", "--dp", "2"] + sequence_parallel, ["ours", "torch"], 2,
-               formula("2d", tp=2, dp=2, sequence_parallel=args.sequence_parallel)),
+        "single": Strategy("train_single.py", 1, [], [None], 1, lambda: []),
+        "ddp": Strategy("train_ddp.py", 2, ["--bucket_mb", str(args.bucket_mb)], ours_and_torch, 2,
+                        formula("ddp", dp=2)),
+        "fsdp": Strategy("train_fsdp.py", 2, [], ours_and_torch, 2, formula("fsdp", dp=2)),
+        "tp": Strategy("train_tp.py", 2, ["--tp", "2"] + sequence_parallel, ours_and_torch, 2,
+                       formula("tp", tp=2, sequence_parallel=args.sequence_parallel)),
+        "tp_sequence_parallel": Strategy("train_tp.py", 2, ["--tp", "2", "--sequence_parallel"], ours_and_torch, 2,
+                                         formula("tp", tp=2, sequence_parallel=True)),
+        "tp_no_loss_parallel": Strategy("train_tp.py", 2, ["--tp", "2", "--no_loss_parallel"], ours_and_torch, 2,
+                                        formula("tp", tp=2, loss_parallel=False)),
+        "2d": Strategy("train_2d.py", 4, ["--tp", "2", "--dp", "2"] + sequence_parallel, ours_and_torch, 2,
+                       formula("2d", tp=2, dp=2, sequence_parallel=args.sequence_parallel)),
     }
 
 
@@ -213,32 +221,47 @@ def our_flags(args, global_batch):
         "--dtype", args.dtype] + ["--compile"] * args.compile
 
 
-def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, tmp):
-    out_dir = os.path.join(tmp, f"{name}-{impl}-{ranks}-{global_batch}")
-    shutil.rmtree(out_dir, ignore_errors=True)  # the previous round's run: a fresh run refuses a used --out_dir
-    comms_path = out_dir + ".comms.json"
-    flags = our_flags(args, global_batch) + ["--out_dir", out_dir] + extra
-    flags += ["--impl", impl] if impl else []
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+def launch(script, flags, out_dir, ranks=1, threads=1, env=None, timeout=None):
+    """torchrun of one script: (its metrics.jsonl records, its output), or (None, its output) if it failed (an
+    out-of-memory, say) or ran past `timeout` seconds."""
+    shutil.rmtree(out_dir, ignore_errors=True)  # a previous round's: a fresh run refuses a used --out_dir
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               os.path.abspath(__file__), "--worker", script, "--profile_step", str(args.steps - 1),
-               "--comms_out", comms_path, "--"] + flags
-    print(f"{name} {impl or ''} on {ranks} rank(s), global batch {global_batch}", flush=True)
-    result = subprocess.run(command, env=env, cwd=HERE, capture_output=True, text=True)
-    if result.returncode:
-        # torchrun's banners out
-        stderr = [line for line in result.stderr.splitlines() if not re.match(r"[WI]\d{4} ", line)]
-        print(result.stdout[-2000:] + "\n".join(stderr)[-6000:])
-        raise SystemExit(f"{name} ({impl}) failed: {' '.join(command)}")
+               script] + flags + ["--out_dir", out_dir]
+    process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {})), cwd=HERE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output = process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        process.terminate()  # torchrun ends its ranks on SIGTERM: none is left holding the GPU
+        output = process.communicate()[0] + f"\nstopped: still running after {timeout:.0f} s"
+    if process.returncode:
+        print("\n".join(output.splitlines()[-5:]), file=sys.stderr)
+        return None, output
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+        return [json.loads(line) for line in f], output
+
+
+def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, tmp):
+    """One run of `script` through the worker: its tokens/s, step time, peak memory and MFU, and the bytes one rank
+    sent through collectives during the profiled step (the last but one)."""
+    out_dir = os.path.join(tmp, f"{name}-{impl}-{ranks}-{global_batch}")
+    comms_path = out_dir + ".comms.json"
+    flags = our_flags(args, global_batch) + extra + (["--impl", impl] if impl else [])
+    worker_flags = ["--worker", script, "--profile_step", str(args.steps - 1), "--comms_out", comms_path, "--"]
+    print(f"{name} {impl or ''} on {ranks} rank(s), global batch {global_batch}", flush=True)
+    records, output = launch(os.path.abspath(__file__), worker_flags + flags, out_dir, ranks, args.threads)
+    if records is None:
+        # torchrun's banners out
+        print("\n".join(line for line in output.splitlines() if not re.match(r"[WI]\d{4} ", line))[-8000:])
+        raise SystemExit(f"{name} ({impl}) failed: {script} {' '.join(flags)}")
     timed = [r for r in records if args.warmup <= r["step"] < args.steps - 2]
     step_ms = statistics.median(r["step_ms"] for r in timed)
     with open(comms_path) as f:
         recorded = json.load(f)
     collectives = recorded["collectives"]
     return {"activation_bytes": recorded["held"].get("activations"),
-            "tokens_per_s": global_batch * args.block_size / (step_ms / 1000), "step_ms": step_ms,
+            "tokens_per_s": global_batch * args.block_size / (step_ms / 1000),
+            "step_ms": step_ms,
             # before the last step: the profiler's records and the final checkpoint's gathers are not the strategy's
             "peak_mem_mb": max(r["peak_mem_mb"] for r in records if r["step"] < args.steps - 1),
             "mfu": timed[-1]["mfu"],
@@ -260,24 +283,61 @@ def synthetic_data(folder, vocab_size, num_tokens=2_000_000, seed=0):
     return folder
 
 
-def launch(script, flags, out_dir, ranks=1, threads=1, env=None, timeout=None):
-    """torchrun of one script: (its metrics.jsonl records, its output), or (None, its output) if it failed (an
-    out-of-memory, say) or ran past `timeout` seconds."""
-    shutil.rmtree(out_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               script] + flags + ["--out_dir", out_dir]
-    process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {})), cwd=HERE,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output = process.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        process.terminate()  # torchrun ends its ranks on SIGTERM: none is left holding the GPU
-        output = process.communicate()[0] + f"\nstopped: still running after {timeout:.0f} s"
-    if process.returncode:
-        print("\n".join(output.splitlines()[-5:]), file=sys.stderr)
-        return None, output
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], output
+def compare(args, table, chosen, tmp):
+    """The default mode: each chosen strategy, ours and torch's, interleaved by round, and train_single.py at DDP's
+    per-rank batch (the scaling baseline); the best round of each, printed beside its formula. Returns the rows."""
+    runs = {}
+    for _ in range(args.rounds):
+        for name in chosen:
+            strategy = table[name]
+            for impl in strategy.impls:
+                row = run_once(args, name, strategy.script, strategy.ranks, strategy.flags, impl, strategy.group_size,
+                               args.global_batch, tmp)
+                runs.setdefault((name, impl, strategy.ranks), []).append(row)
+            if name == "ddp":  # the scaling baseline: one rank at the same per-rank batch
+                per_rank = args.global_batch // strategy.ranks
+                row = run_once(args, "single", "train_single.py", 1, [], None, 1, per_rank, tmp)
+                runs.setdefault(("single/rank", None, 1), []).append(row)
+    best = {key: max(rows, key=lambda r: r["tokens_per_s"]) for key, rows in runs.items()}
+    rows = []
+    for (name, impl, ranks), row in best.items():
+        formula = sum(term.bytes for term in table[name].formula()) if name in table else 0
+        rows.append(dict(strategy=name, impl=impl, ranks=ranks, formula_bytes=formula, **row))
+
+    vocabulary = f"synthetic vocabulary {args.vocab_size}" if args.vocab_size else args.data
+    print(f"\n{args.model}, {vocabulary}, block {args.block_size}, global batch {args.global_batch}, "
+          f"{args.device} {args.dtype}{', sequence parallel' * args.sequence_parallel}, "
+          f"{args.threads} thread(s) a rank, best of {args.rounds} rounds, "
+          f"median of steps {args.warmup}..{args.steps - 3}")
+    header = (f"{'strategy':20} {'impl':6} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} "
+              f"{'comm MB/step':>12} {'formula MB':>10} {'colls':>6}")
+    print(header + "\n" + "-" * len(header))
+    for row in rows:
+        mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+        print(f"{row['strategy']:20} {row['impl'] or '-':6} {row['ranks']:5d} {row['tokens_per_s']:9,.0f} "
+              f"{row['step_ms']:8.1f} {row['peak_mem_mb']:8,.0f} {mfu:>6} {row['comm_bytes'] / 2**20:12.2f} "
+              f"{row['formula_bytes'] / 2**20:10.2f} {row['collectives']:6d}")
+    print()
+    for name in chosen:
+        ours = best.get((name, "ours", table[name].ranks))
+        theirs = best.get((name, "torch", table[name].ranks))
+        if ours and theirs:
+            print(f"{name}: ours/torch tokens/s {ours['tokens_per_s'] / theirs['tokens_per_s']:.3f}, "
+                  f"peak memory {ours['peak_mem_mb'] / theirs['peak_mem_mb']:.3f}")
+    if ("single/rank", None, 1) in best and ("ddp", "ours", 2) in best:
+        single = best[("single/rank", None, 1)]["tokens_per_s"]
+        for impl in ("ours", "torch"):
+            scaling = best[("ddp", impl, 2)]["tokens_per_s"] / (2 * single)
+            print(f"ddp {impl}: scaling efficiency on 2 ranks vs 1 rank at the same per-rank batch {scaling:.3f}")
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    print(f"\nthe formulas on {backend}, per rank per optimizer step (collectives, MB):")
+    for name in chosen:
+        for term in table[name].formula():
+            print(f"{name:20} {term.kind:14} {term.group:5} {term.count:4d} {term.bytes / 2**20:9.3f}  {term.what}")
+    if backend == "gloo":
+        print("note: gloo runs reduce_scatter_tensor as an all-reduce of the whole input (its profiler trace shows "
+              "gloo:all_reduce), sending twice what NCCL's ring reduce-scatter sends; the formulas count it so.")
+    return rows
 
 
 def checkpointing_cost(args, table, chosen, tmp):
@@ -286,12 +346,12 @@ def checkpointing_cost(args, table, chosen, tmp):
     runs = {}
     for _ in range(args.rounds):
         for name in chosen:
-            script, ranks, extra, impls, group_size, _formula = table[name]
+            strategy = table[name]
             for checkpointing in (False, True):
-                flags = extra + ["--activation_checkpointing"] * checkpointing
-                row = run_once(args, name + "-ac" * checkpointing, script, ranks, flags, impls[0], group_size,
-                               args.global_batch, tmp)
-                runs.setdefault((name, ranks, checkpointing), []).append(row)
+                flags = strategy.flags + ["--activation_checkpointing"] * checkpointing
+                row = run_once(args, name + "-ac" * checkpointing, strategy.script, strategy.ranks, flags,
+                               strategy.impls[0], strategy.group_size, args.global_batch, tmp)
+                runs.setdefault((name, strategy.ranks, checkpointing), []).append(row)
     best = {key: max(rows, key=lambda r: r["tokens_per_s"]) for key, rows in runs.items()}
     print(f"\n{args.model}, block {args.block_size}, global batch {args.global_batch}, {args.device} {args.dtype}: "
           "ours without and with --activation_checkpointing, best of each")
@@ -300,7 +360,7 @@ def checkpointing_cost(args, table, chosen, tmp):
     print(header + "\n" + "-" * len(header))
     rows = []
     for name in chosen:
-        ranks = table[name][1]
+        ranks = table[name].ranks
         plain, recomputed = best[(name, ranks, False)], best[(name, ranks, True)]
         print(f"{name:10} {ranks:5d} {plain['tokens_per_s']:9,.0f} {recomputed['tokens_per_s']:9,.0f} "
               f"{recomputed['tokens_per_s'] / plain['tokens_per_s']:7.2f} {plain['activation_bytes'] / 2**20:9.2f} "
@@ -365,65 +425,16 @@ def main(argv=None):
 
     if args.what_fits:
         return plan.what_fits(args.gpu_memory, args.micro_batch, **STRATEGY_CODE)
-    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.vocab_size:
             args.data = synthetic_data(os.path.join(tmp, f"vocab-{args.vocab_size}"), args.vocab_size)
         table = strategies(args)
-        chosen = [s for s in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[s][0]))]
-        if args.checkpointing:
-            rows = checkpointing_cost(args, table, chosen, tmp)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(rows, f, indent=2)
-            return
-        for _ in range(args.rounds):
-            for name in chosen:
-                script, ranks, extra, impls, group_size, _formula = table[name]
-                for impl in impls:
-                    row = run_once(args, name, script, ranks, extra, impl, group_size, args.global_batch, tmp)
-                    runs.setdefault((name, impl, ranks), []).append(row)
-                if name == "ddp":  # the scaling baseline: one rank at the same per-rank batch
-                    row = run_once(args, "single", "train_single.py", 1, [], None, 1, args.global_batch // ranks, tmp)
-                    runs.setdefault(("single/rank", None, 1), []).append(row)
-    best = {key: max(rows, key=lambda r: r["tokens_per_s"]) for key, rows in runs.items()}
-
-    vocabulary = f"synthetic vocabulary {args.vocab_size}" if args.vocab_size else args.data
-    print(f"\n{args.model}, {vocabulary}, block {args.block_size}, global batch {args.global_batch}, "
-          f"{args.device} {args.dtype}{', sequence parallel' * args.sequence_parallel}, "
-          f"{args.threads} thread(s) a rank, best of {args.rounds} rounds, "
-          f"median of steps {args.warmup}..{args.steps - 3}")
-    header = f"{'strategy':20} {'impl':6} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} " \
-             f"{'comm MB/step':>12} {'formula MB':>10} {'colls':>6}"
-    print(header + "\n" + "-" * len(header))
-    for (name, impl, ranks), row in best.items():
-        formula = sum(term.bytes for term in table[name][5]()) if name in table else 0
-        mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-        print(f"{name:20} {impl or '-':6} {ranks:5d} {row['tokens_per_s']:9,.0f} {row['step_ms']:8.1f} "
-              f"{row['peak_mem_mb']:8,.0f} {mfu:>6} {row['comm_bytes'] / 2**20:12.2f} {formula / 2**20:10.2f} "
-              f"{row['collectives']:6d}")
-    print()
-    for name in chosen:
-        ours, torch_row = best.get((name, "ours", table[name][1])), best.get((name, "torch", table[name][1]))
-        if ours and torch_row:
-            print(f"{name}: ours/torch tokens/s {ours['tokens_per_s'] / torch_row['tokens_per_s']:.3f}, "
-                  f"peak memory {ours['peak_mem_mb'] / torch_row['peak_mem_mb']:.3f}")
-    if ("single/rank", None, 1) in best and ("ddp", "ours", 2) in best:
-        for impl in ("ours", "torch"):
-            scaling = best[("ddp", impl, 2)]["tokens_per_s"] / (2 * best[("single/rank", None, 1)]["tokens_per_s"])
-            print(f"ddp {impl}: scaling efficiency on 2 ranks vs 1 rank at the same per-rank batch {scaling:.3f}")
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    print(f"\nthe formulas on {backend}, per rank per optimizer step (collectives, MB):")
-    for name in chosen:
-        for term in table[name][5]():
-            print(f"{name:20} {term.kind:14} {term.group:5} {term.count:4d} {term.bytes / 2**20:9.3f}  {term.what}")
-    if backend == "gloo":
-        print("note: gloo runs reduce_scatter_tensor as an all-reduce of the whole input (its profiler trace shows "
-              "gloo:all_reduce), sending twice what NCCL's ring reduce-scatter sends; the formulas count it so.")
+        chosen = [name for name in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[name].script))]
+        mode = checkpointing_cost if args.checkpointing else compare
+        rows = mode(args, table, chosen, tmp)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([dict(strategy=k[0], impl=k[1], ranks=k[2], formula_bytes=sum(t.bytes for t in table[k[0]][5]())
-                            if k[0] in table else 0, **v) for k, v in best.items()], f, indent=2)
+            json.dump(rows, f, indent=2)
 
 
 if __name__ == "__main__":
