@@ -8,7 +8,7 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py --gpu_check --device cuda --json gpu.json   # a GPU machine's first check: runs gpu_check.py
     python bench.py --checkpointing                  # what --activation_checkpointing costs and saves, per strategy
     python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (plan.py's)
-    python bench.py --pipeline --micro_batch 2       # train_pp.py: bubble, activations and sends against formulas
+    python bench.py --pipeline --micro_batch 2       # train_pp.py against its formulas: runs bench_pipeline.py
 
 Each run is a fresh `torchrun --standalone` of the training script for --steps optimizer steps. Runs are
 interleaved (round 1: ours, torch, ...; round 2: ours, torch, ...) so that drift of the machine hits both sides
@@ -22,6 +22,7 @@ On CPU, ranks get one thread each; so does the single-device baseline the scalin
 """
 
 import argparse
+import collections
 import importlib.util
 import json
 import math
@@ -32,8 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import weakref
 from contextlib import contextmanager
 
 import torch
@@ -43,7 +42,6 @@ import plan
 import prepare_data
 import train_ddp
 import train_fsdp
-import train_pp
 import train_tp
 import training
 
@@ -178,8 +176,13 @@ def worker(script, argv, profile_step, out_path):
 # The driver
 
 
+# A benchmarked strategy: its script on `ranks` ranks with `flags`, run as each of `impls` (ours, --impl torch); the
+# ranks in each group its collectives run over; formula(): plan.comm_formula's [Term] of one step
+Strategy = collections.namedtuple("Strategy", "script ranks flags impls group_size formula")
+
+
 def strategies(args):
-    """name -> (script, ranks, extra flags, impls, group size of its collectives, formula: [Term] of one step)."""
+    """name -> Strategy, at this benchmark's model, batch, dtype and backend."""
     meta = prepare_data.ensure_data(args.data, is_writer=True)
     config = gpt.make_config(args.model, meta["vocab_size"], args.block_size)
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -187,18 +190,20 @@ def strategies(args):
         strategy, config, args.global_batch, dtype=args.dtype, backend=backend, bucket_mb=args.bucket_mb,
         buckets=train_ddp.assign_buckets, **STRATEGY_CODE, **layout)
     sequence_parallel = ["--sequence_parallel"] * args.sequence_parallel  # --sequence_parallel: tp and 2d with it
+    ours_and_torch = ["ours", "torch"]
     return {
-        "single": ("train_single.py", 1, [], [None], 1, lambda: []),
-        "ddp": ("train_ddp.py", 2, ["--bucket_mb", str(args.bucket_mb)], ["ours", "torch"], 2, formula("ddp", dp=2)),
-        "fsdp": ("train_fsdp.py", 2, [], ["ours", "torch"], 2, formula("fsdp", dp=2)),
-        "tp": ("train_tp.py", 2, ["--tp", "2"] + sequence_parallel, ["ours", "torch"], 2,
-               formula("tp", tp=2, sequence_parallel=args.sequence_parallel)),
-        "tp_sequence_parallel": ("train_tp.py", 2, ["--tp", "2", "--sequence_parallel"], ["ours", "torch"], 2,
-                                 formula("tp", tp=2, sequence_parallel=True)),
-        "tp_no_loss_parallel": ("train_tp.py", 2, ["--tp", "2", "--no_loss_parallel"], ["ours", "torch"], 2,
-                                formula("tp", tp=2, loss_parallel=False)),
-        "2d": ("train_2d.py", 4, ["--tp", "2", "--dp", "2"] + sequence_parallel, ["ours", "torch"], 2,
-               formula("2d", tp=2, dp=2, sequence_parallel=args.sequence_parallel)),
+        "single": Strategy("train_single.py", 1, [], [None], 1, lambda: []),
+        "ddp": Strategy("train_ddp.py", 2, ["--bucket_mb", str(args.bucket_mb)], ours_and_torch, 2,
+                        formula("ddp", dp=2)),
+        "fsdp": Strategy("train_fsdp.py", 2, [], ours_and_torch, 2, formula("fsdp", dp=2)),
+        "tp": Strategy("train_tp.py", 2, ["--tp", "2"] + sequence_parallel, ours_and_torch, 2,
+                       formula("tp", tp=2, sequence_parallel=args.sequence_parallel)),
+        "tp_sequence_parallel": Strategy("train_tp.py", 2, ["--tp", "2", "--sequence_parallel"], ours_and_torch, 2,
+                                         formula("tp", tp=2, sequence_parallel=True)),
+        "tp_no_loss_parallel": Strategy("train_tp.py", 2, ["--tp", "2", "--no_loss_parallel"], ours_and_torch, 2,
+                                        formula("tp", tp=2, loss_parallel=False)),
+        "2d": Strategy("train_2d.py", 4, ["--tp", "2", "--dp", "2"] + sequence_parallel, ours_and_torch, 2,
+                       formula("2d", tp=2, dp=2, sequence_parallel=args.sequence_parallel)),
     }
 
 
@@ -216,32 +221,47 @@ def our_flags(args, global_batch):
         "--dtype", args.dtype] + ["--compile"] * args.compile
 
 
-def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, tmp):
-    out_dir = os.path.join(tmp, f"{name}-{impl}-{ranks}-{global_batch}")
-    shutil.rmtree(out_dir, ignore_errors=True)  # the previous round's run: a fresh run refuses a used --out_dir
-    comms_path = out_dir + ".comms.json"
-    flags = our_flags(args, global_batch) + ["--out_dir", out_dir] + extra
-    flags += ["--impl", impl] if impl else []
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+def launch(script, flags, out_dir, ranks=1, threads=1, env=None, timeout=None):
+    """torchrun of one script: (its metrics.jsonl records, its output), or (None, its output) if it failed (an
+    out-of-memory, say) or ran past `timeout` seconds."""
+    shutil.rmtree(out_dir, ignore_errors=True)  # a previous round's: a fresh run refuses a used --out_dir
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               os.path.abspath(__file__), "--worker", script, "--profile_step", str(args.steps - 1),
-               "--comms_out", comms_path, "--"] + flags
-    print(f"{name} {impl or ''} on {ranks} rank(s), global batch {global_batch}", flush=True)
-    result = subprocess.run(command, env=env, cwd=HERE, capture_output=True, text=True)
-    if result.returncode:
-        # torchrun's banners out
-        stderr = [line for line in result.stderr.splitlines() if not re.match(r"[WI]\d{4} ", line)]
-        print(result.stdout[-2000:] + "\n".join(stderr)[-6000:])
-        raise SystemExit(f"{name} ({impl}) failed: {' '.join(command)}")
+               script] + flags + ["--out_dir", out_dir]
+    process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {})), cwd=HERE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output = process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        process.terminate()  # torchrun ends its ranks on SIGTERM: none is left holding the GPU
+        output = process.communicate()[0] + f"\nstopped: still running after {timeout:.0f} s"
+    if process.returncode:
+        print("\n".join(output.splitlines()[-5:]), file=sys.stderr)
+        return None, output
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+        return [json.loads(line) for line in f], output
+
+
+def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, tmp):
+    """One run of `script` through the worker: its tokens/s, step time, peak memory and MFU, and the bytes one rank
+    sent through collectives during the profiled step (the last but one)."""
+    out_dir = os.path.join(tmp, f"{name}-{impl}-{ranks}-{global_batch}")
+    comms_path = out_dir + ".comms.json"
+    flags = our_flags(args, global_batch) + extra + (["--impl", impl] if impl else [])
+    worker_flags = ["--worker", script, "--profile_step", str(args.steps - 1), "--comms_out", comms_path, "--"]
+    print(f"{name} {impl or ''} on {ranks} rank(s), global batch {global_batch}", flush=True)
+    records, output = launch(os.path.abspath(__file__), worker_flags + flags, out_dir, ranks, args.threads)
+    if records is None:
+        # torchrun's banners out
+        print("\n".join(line for line in output.splitlines() if not re.match(r"[WI]\d{4} ", line))[-8000:])
+        raise SystemExit(f"{name} ({impl}) failed: {script} {' '.join(flags)}")
     timed = [r for r in records if args.warmup <= r["step"] < args.steps - 2]
     step_ms = statistics.median(r["step_ms"] for r in timed)
     with open(comms_path) as f:
         recorded = json.load(f)
     collectives = recorded["collectives"]
     return {"activation_bytes": recorded["held"].get("activations"),
-            "tokens_per_s": global_batch * args.block_size / (step_ms / 1000), "step_ms": step_ms,
+            "tokens_per_s": global_batch * args.block_size / (step_ms / 1000),
+            "step_ms": step_ms,
             # before the last step: the profiler's records and the final checkpoint's gathers are not the strategy's
             "peak_mem_mb": max(r["peak_mem_mb"] for r in records if r["step"] < args.steps - 1),
             "mfu": timed[-1]["mfu"],
@@ -263,128 +283,60 @@ def synthetic_data(folder, vocab_size, num_tokens=2_000_000, seed=0):
     return folder
 
 
-def launch(script, flags, out_dir, ranks=1, threads=1, env=None, timeout=None):
-    """torchrun of one script: (its metrics.jsonl records, its output), or (None, its output) if it failed (an
-    out-of-memory, say) or ran past `timeout` seconds."""
-    shutil.rmtree(out_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               script] + flags + ["--out_dir", out_dir]
-    process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {})), cwd=HERE,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output = process.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        process.terminate()  # torchrun ends its ranks on SIGTERM: none is left holding the GPU
-        output = process.communicate()[0] + f"\nstopped: still running after {timeout:.0f} s"
-    if process.returncode:
-        print("\n".join(output.splitlines()[-5:]), file=sys.stderr)
-        return None, output
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], output
-
-
-# ------------------------------------------------------------------------------------------------------------
-# --pipeline: train_pp.py's bubble, saved activations and sends, each beside its formula
-
-
-class Saved:
-    """What pipeline_worker's pack hook gives autograd for a tensor: `release` runs once autograd lets go of it."""
-
-    def __init__(self, tensor, release):
-        self.tensor = tensor
-        weakref.finalize(self, release)
-
-
-def pipeline_worker(argv, out_path):
-    """Inside each rank of a train_pp.py run: for every optimizer step, its seconds, the seconds the stage waited on
-    its sends and receives (the bubble, and the transfers) and when, the bytes it sent, and the most bytes autograd
-    held saved for backward at once, parameters left out. Rank r writes them to out_path.r."""
-    import train_pp
-
-    real_exchange = train_pp.exchange
-    real_step = train_pp.PipelineParallel.step
-    steps = []
-
-    def exchange(operations):
-        start = time.perf_counter()
-        real_exchange(operations)
-        end = time.perf_counter()
-        steps[-1]["waited_s"] += end - start
-        steps[-1]["waits"].append((start - steps[-1]["started"], end - steps[-1]["started"]))
-        steps[-1]["sent_bytes"] += sum(op.tensor.nbytes for op in operations if op.op == torch.distributed.isend)
-
-    def step(self, *args, **kwargs):
-        record = dict(waited_s=0.0, waits=[], sent_bytes=0, saved_bytes=0, started=time.perf_counter())
-        held = {}  # storage -> (saved tensors, bytes)
-        parameters = {p.untyped_storage().data_ptr() for p in self.parameters()}
-        steps.append(record)
-
-        def release(key):
-            count, size = held.pop(key)
-            if count > 1:
-                held[key] = (count - 1, size)
-
-        def pack(tensor):
-            key = tensor.untyped_storage().data_ptr()
-            if key in parameters:
-                return tensor
-            count, size = held.get(key, (0, tensor.untyped_storage().nbytes()))
-            held[key] = (count + 1, size)
-            record["saved_bytes"] = max(record["saved_bytes"], sum(size for _, size in held.values()))
-            return Saved(tensor, lambda: release(key))
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: getattr(saved, "tensor", saved)):
-            loss = real_step(self, *args, **kwargs)
-        record["step_s"] = time.perf_counter() - record["started"]
-        return loss
-
-    train_pp.exchange = exchange
-    train_pp.PipelineParallel.step = step
-    train_pp.main(argv)
-    with open(f"{out_path}.{os.environ.get('RANK', 0)}", "w") as f:
-        json.dump(steps, f)
-
-
-def pipeline(args, tmp):
-    """--pipeline: train_pp.py on 2 stages, each schedule, ours and torch's: tokens/s; and for each stage of ours,
-    the median over the steps after --warmup of the bubble, the activations saved at the peak and the bytes sent,
-    beside (p - 1) / (m + p - 1), the planner's activations and the sends' formula."""
-    config = gpt.make_config(args.model, prepare_data.ensure_data(args.data, is_writer=True)["vocab_size"],
-                             args.block_size)
-    layout = plan.Layout("pp", 2, 1, 1, args.micro_batch, args.dtype, device=args.device, pp=2,
-                         micro_batches=args.global_batch // args.micro_batch)
-    sends = layout.micro_batches  # a stage of 2 sends each micro-batch's activation forward, or its gradient back
-    flags = our_flags(args, args.global_batch) + ["--micro_batch", str(args.micro_batch), "--pp", "2"]
+def compare(args, table, chosen, tmp):
+    """The default mode: each chosen strategy, ours and torch's, interleaved by round, and train_single.py at DDP's
+    per-rank batch (the scaling baseline); the best round of each, printed beside its formula. Returns the rows."""
+    runs = {}
+    for _ in range(args.rounds):
+        for name in chosen:
+            strategy = table[name]
+            for impl in strategy.impls:
+                row = run_once(args, name, strategy.script, strategy.ranks, strategy.flags, impl, strategy.group_size,
+                               args.global_batch, tmp)
+                runs.setdefault((name, impl, strategy.ranks), []).append(row)
+            if name == "ddp":  # the scaling baseline: one rank at the same per-rank batch
+                per_rank = args.global_batch // strategy.ranks
+                row = run_once(args, "single", "train_single.py", 1, [], None, 1, per_rank, tmp)
+                runs.setdefault(("single/rank", None, 1), []).append(row)
+    best = {key: max(rows, key=lambda r: r["tokens_per_s"]) for key, rows in runs.items()}
     rows = []
-    print(f"train_pp.py: {args.model}, 2 stages, m = {layout.micro_batches} micro-batches of {args.micro_batch}; "
-          f"bubble formula (p - 1) / (m + p - 1) = {1 / (layout.micro_batches + 1):.3f}")
-    for schedule in ("gpipe", "1f1b"):
+    for (name, impl, ranks), row in best.items():
+        formula = sum(term.bytes for term in table[name].formula()) if name in table else 0
+        rows.append(dict(strategy=name, impl=impl, ranks=ranks, formula_bytes=formula, **row))
+
+    vocabulary = f"synthetic vocabulary {args.vocab_size}" if args.vocab_size else args.data
+    print(f"\n{args.model}, {vocabulary}, block {args.block_size}, global batch {args.global_batch}, "
+          f"{args.device} {args.dtype}{', sequence parallel' * args.sequence_parallel}, "
+          f"{args.threads} thread(s) a rank, best of {args.rounds} rounds, "
+          f"median of steps {args.warmup}..{args.steps - 3}")
+    header = (f"{'strategy':20} {'impl':6} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} "
+              f"{'comm MB/step':>12} {'formula MB':>10} {'colls':>6}")
+    print(header + "\n" + "-" * len(header))
+    for row in rows:
+        mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+        print(f"{row['strategy']:20} {row['impl'] or '-':6} {row['ranks']:5d} {row['tokens_per_s']:9,.0f} "
+              f"{row['step_ms']:8.1f} {row['peak_mem_mb']:8,.0f} {mfu:>6} {row['comm_bytes'] / 2**20:12.2f} "
+              f"{row['formula_bytes'] / 2**20:10.2f} {row['collectives']:6d}")
+    print()
+    for name in chosen:
+        ours = best.get((name, "ours", table[name].ranks))
+        theirs = best.get((name, "torch", table[name].ranks))
+        if ours and theirs:
+            print(f"{name}: ours/torch tokens/s {ours['tokens_per_s'] / theirs['tokens_per_s']:.3f}, "
+                  f"peak memory {ours['peak_mem_mb'] / theirs['peak_mem_mb']:.3f}")
+    if ("single/rank", None, 1) in best and ("ddp", "ours", 2) in best:
+        single = best[("single/rank", None, 1)]["tokens_per_s"]
         for impl in ("ours", "torch"):
-            out = os.path.join(tmp, f"pp-{schedule}-{impl}")
-            worker = ["--pipeline_worker", out + ".stages", "--"] + flags + ["--schedule", schedule, "--impl", impl]
-            records, output = launch(os.path.abspath(__file__), worker, out, 2, args.threads)
-            if records is None:
-                raise SystemExit(f"train_pp.py --schedule {schedule} --impl {impl} failed:\n{output[-3000:]}")
-            tokens_per_s = statistics.median(r["tokens_per_s"] for r in records[args.warmup:])
-            row = dict(schedule=schedule, impl=impl, tokens_per_s=tokens_per_s, stages=[])
-            for stage in range(2) if impl == "ours" else []:
-                with open(f"{out}.stages.{stage}") as f:
-                    timed = json.load(f)[args.warmup:]
-                plan_rows = plan.stage_plan(config, layout._replace(schedule=schedule), stage, train_pp.stage_layers,
-                                            train_pp.schedule)
-                measured = dict(bubble=statistics.median(s["waited_s"] / s["step_s"] for s in timed),
-                                saved_bytes=max(s["saved_bytes"] for s in timed), planned_bytes=sum(
-                                    size for item, size in plan_rows if item.startswith(("activations", "bfloat16"))),
-                                sent_bytes=timed[-1]["sent_bytes"], formula_bytes=sends * args.micro_batch
-                                * args.block_size * config.n_embd * 4,  # float32: the residual stream
-                                waits=timed[-1]["waits"], step_s=timed[-1]["step_s"])  # the last step's timeline
-                row["stages"].append(measured)
-                print(f"  {schedule:5} stage {stage}: bubble {measured['bubble']:.3f} | activations at the peak "
-                      f"{measured['saved_bytes'] / 2**20:.2f} MiB, planned {measured['planned_bytes'] / 2**20:.2f} MiB"
-                      f" | sent {measured['sent_bytes'] / 2**20:.3f} MiB a step, formula "
-                      f"{measured['formula_bytes'] / 2**20:.3f} MiB")
-            print(f"  {schedule:5} {impl:5}: {tokens_per_s:,.0f} tokens/s")
-            rows.append(row)
+            scaling = best[("ddp", impl, 2)]["tokens_per_s"] / (2 * single)
+            print(f"ddp {impl}: scaling efficiency on 2 ranks vs 1 rank at the same per-rank batch {scaling:.3f}")
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    print(f"\nthe formulas on {backend}, per rank per optimizer step (collectives, MB):")
+    for name in chosen:
+        for term in table[name].formula():
+            print(f"{name:20} {term.kind:14} {term.group:5} {term.count:4d} {term.bytes / 2**20:9.3f}  {term.what}")
+    if backend == "gloo":
+        print("note: gloo runs reduce_scatter_tensor as an all-reduce of the whole input (its profiler trace shows "
+              "gloo:all_reduce), sending twice what NCCL's ring reduce-scatter sends; the formulas count it so.")
     return rows
 
 
@@ -394,12 +346,12 @@ def checkpointing_cost(args, table, chosen, tmp):
     runs = {}
     for _ in range(args.rounds):
         for name in chosen:
-            script, ranks, extra, impls, group_size, _formula = table[name]
+            strategy = table[name]
             for checkpointing in (False, True):
-                flags = extra + ["--activation_checkpointing"] * checkpointing
-                row = run_once(args, name + "-ac" * checkpointing, script, ranks, flags, impls[0], group_size,
-                               args.global_batch, tmp)
-                runs.setdefault((name, ranks, checkpointing), []).append(row)
+                flags = strategy.flags + ["--activation_checkpointing"] * checkpointing
+                row = run_once(args, name + "-ac" * checkpointing, strategy.script, strategy.ranks, flags,
+                               strategy.impls[0], strategy.group_size, args.global_batch, tmp)
+                runs.setdefault((name, strategy.ranks, checkpointing), []).append(row)
     best = {key: max(rows, key=lambda r: r["tokens_per_s"]) for key, rows in runs.items()}
     print(f"\n{args.model}, block {args.block_size}, global batch {args.global_batch}, {args.device} {args.dtype}: "
           "ours without and with --activation_checkpointing, best of each")
@@ -408,7 +360,7 @@ def checkpointing_cost(args, table, chosen, tmp):
     print(header + "\n" + "-" * len(header))
     rows = []
     for name in chosen:
-        ranks = table[name][1]
+        ranks = table[name].ranks
         plain, recomputed = best[(name, ranks, False)], best[(name, ranks, True)]
         print(f"{name:10} {ranks:5d} {plain['tokens_per_s']:9,.0f} {recomputed['tokens_per_s']:9,.0f} "
               f"{recomputed['tokens_per_s'] / plain['tokens_per_s']:7.2f} {plain['activation_bytes'] / 2**20:9.2f} "
@@ -419,112 +371,70 @@ def checkpointing_cost(args, table, chosen, tmp):
     return rows
 
 
+def arguments(description):
+    """The flags of every benchmarked run, bench.py's and bench_pipeline.py's: a group after the file's own."""
+    p = argparse.ArgumentParser(description=description, formatter_class=training.HelpFormatter)
+    add = p.add_argument_group("every run").add_argument
+    add("--model", default="tiny", choices=list(gpt.PRESETS), help="model size, from gpt.py's presets")
+    add("--data", default=training.DEFAULT_DATA_DIR,
+        help="prepared data folder (default: the embedded corpus, built on first use)")
+    add("--vocab_size", type=int,
+        help="train on synthetic tokens of this vocabulary (GPT-2's: 50257), made offline, not on --data")
+    add("--block_size", type=int, default=128, help="context length, in tokens")
+    add("--global_batch", type=int, default=16, help="sequences per optimizer step")
+    add("--micro_batch", type=int, default=1, help="--pipeline, --what_fits: sequences per micro-step")
+    add("--steps", type=int, default=30, help="optimizer steps of each run")
+    add("--warmup", type=int, default=5, help="steps left out of the timing")
+    add("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
+    add("--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="bfloat16: autocast, float32 master weights")
+    add("--compile", action="store_true", help="torch.compile the model")
+    add("--threads", type=int, default=1, help="CPU threads per rank (and for the single baseline)")
+    add("--json", help="also write the rows to this file")
+    return p
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if "--gpu_check" in argv:  # a file of its own, run as its own process: gpu_check.py imports this one
-        command = [sys.executable, os.path.join(HERE, "gpu_check.py")] + [a for a in argv if a != "--gpu_check"]
-        raise SystemExit(subprocess.run(command).returncode)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=training.HelpFormatter)
+    # Modes in files of their own, run as their own processes: gpu_check.py and bench_pipeline.py import this one
+    for flag, script in (("--gpu_check", "gpu_check.py"), ("--pipeline", "bench_pipeline.py")):
+        if flag in argv:
+            command = [sys.executable, os.path.join(HERE, script)] + [a for a in argv if a != flag]
+            raise SystemExit(subprocess.run(command).returncode)
+    p = arguments(__doc__)
     p.add_argument("--strategies", default="single,ddp,fsdp,tp,2d", help="comma-separated strategies to run")
-    p.add_argument("--model", default="tiny", choices=list(gpt.PRESETS), help="model size, from gpt.py's presets")
-    p.add_argument("--data", default=training.DEFAULT_DATA_DIR,
-                   help="prepared data folder (default: the embedded corpus, built on first use)")
-    p.add_argument("--vocab_size", type=int,
-                   help="train on synthetic tokens of this vocabulary (GPT-2's: 50257), made offline, not on --data")
     p.add_argument("--sequence_parallel", action="store_true", help="tp and 2d with --sequence_parallel")
-    p.add_argument("--block_size", type=int, default=128, help="context length, in tokens")
-    p.add_argument("--global_batch", type=int, default=16, help="sequences per optimizer step")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps of each run")
-    p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
     p.add_argument("--rounds", type=int, default=2, help="runs of each strategy and implementation; the best counts")
     p.add_argument("--bucket_mb", type=float, default=25, help="DDP's largest gradient bucket, in MiB")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="bfloat16: autocast, float32 master weights")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (and for the single baseline)")
-    p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--gpu_check", action="store_true",
                    help="python gpu_check.py with the other flags: a GPU machine's first check (gpu_check.py --help)")
     p.add_argument("--checkpointing", action="store_true",
                    help="what --activation_checkpointing costs and saves: each strategy (ours) without and with it")
-    p.add_argument("--pipeline", action="store_true", help="train_pp.py's bubble, activations and sends against "
-                   "their formulas, and its tokens/s against torch's (m = --global_batch / --micro_batch)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="python bench_pipeline.py with the other flags: train_pp.py's bubble, activations and sends "
+                   "against their formulas, its tokens/s against torch's (m = --global_batch / --micro_batch)")
     p.add_argument("--what_fits", action="store_true",
                    help="print plan.what_fits's table: the smallest layout for each preset on 8 and 64 GPUs (no runs)")
     p.add_argument("--gpu_memory", type=float, default=80, help="--what_fits: one GPU's memory, in GB (10^9 bytes)")
-    p.add_argument("--micro_batch", type=int, default=1, help="--what_fits, --pipeline: sequences per micro-step")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--profile_step", type=int, help=argparse.SUPPRESS)
     p.add_argument("--comms_out", help=argparse.SUPPRESS)
-    p.add_argument("--pipeline_worker", help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
     if args.worker:
         return worker(args.worker, rest[1:] if rest[:1] == ["--"] else rest, args.profile_step, args.comms_out)
-    if args.pipeline_worker:
-        return pipeline_worker(rest[1:] if rest[:1] == ["--"] else rest, args.pipeline_worker)
 
     if args.what_fits:
         return plan.what_fits(args.gpu_memory, args.micro_batch, **STRATEGY_CODE)
-    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.vocab_size:
             args.data = synthetic_data(os.path.join(tmp, f"vocab-{args.vocab_size}"), args.vocab_size)
         table = strategies(args)
-        chosen = [s for s in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[s][0]))]
-        if args.checkpointing or args.pipeline:
-            rows = (checkpointing_cost(args, table, chosen, tmp) if args.checkpointing else pipeline(args, tmp))
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(rows, f, indent=2)
-            return
-        for _ in range(args.rounds):
-            for name in chosen:
-                script, ranks, extra, impls, group_size, _formula = table[name]
-                for impl in impls:
-                    row = run_once(args, name, script, ranks, extra, impl, group_size, args.global_batch, tmp)
-                    runs.setdefault((name, impl, ranks), []).append(row)
-                if name == "ddp":  # the scaling baseline: one rank at the same per-rank batch
-                    row = run_once(args, "single", "train_single.py", 1, [], None, 1, args.global_batch // ranks, tmp)
-                    runs.setdefault(("single/rank", None, 1), []).append(row)
-    best = {key: max(rows, key=lambda r: r["tokens_per_s"]) for key, rows in runs.items()}
-
-    vocabulary = f"synthetic vocabulary {args.vocab_size}" if args.vocab_size else args.data
-    print(f"\n{args.model}, {vocabulary}, block {args.block_size}, global batch {args.global_batch}, "
-          f"{args.device} {args.dtype}{', sequence parallel' * args.sequence_parallel}, "
-          f"{args.threads} thread(s) a rank, best of {args.rounds} rounds, "
-          f"median of steps {args.warmup}..{args.steps - 3}")
-    header = f"{'strategy':20} {'impl':6} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} " \
-             f"{'comm MB/step':>12} {'formula MB':>10} {'colls':>6}"
-    print(header + "\n" + "-" * len(header))
-    for (name, impl, ranks), row in best.items():
-        formula = sum(term.bytes for term in table[name][5]()) if name in table else 0
-        mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-        print(f"{name:20} {impl or '-':6} {ranks:5d} {row['tokens_per_s']:9,.0f} {row['step_ms']:8.1f} "
-              f"{row['peak_mem_mb']:8,.0f} {mfu:>6} {row['comm_bytes'] / 2**20:12.2f} {formula / 2**20:10.2f} "
-              f"{row['collectives']:6d}")
-    print()
-    for name in chosen:
-        ours, torch_row = best.get((name, "ours", table[name][1])), best.get((name, "torch", table[name][1]))
-        if ours and torch_row:
-            print(f"{name}: ours/torch tokens/s {ours['tokens_per_s'] / torch_row['tokens_per_s']:.3f}, "
-                  f"peak memory {ours['peak_mem_mb'] / torch_row['peak_mem_mb']:.3f}")
-    if ("single/rank", None, 1) in best and ("ddp", "ours", 2) in best:
-        for impl in ("ours", "torch"):
-            scaling = best[("ddp", impl, 2)]["tokens_per_s"] / (2 * best[("single/rank", None, 1)]["tokens_per_s"])
-            print(f"ddp {impl}: scaling efficiency on 2 ranks vs 1 rank at the same per-rank batch {scaling:.3f}")
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    print(f"\nthe formulas on {backend}, per rank per optimizer step (collectives, MB):")
-    for name in chosen:
-        for term in table[name][5]():
-            print(f"{name:20} {term.kind:14} {term.group:5} {term.count:4d} {term.bytes / 2**20:9.3f}  {term.what}")
-    if backend == "gloo":
-        print("note: gloo runs reduce_scatter_tensor as an all-reduce of the whole input (its profiler trace shows "
-              "gloo:all_reduce), sending twice what NCCL's ring reduce-scatter sends; the formulas count it so.")
+        chosen = [name for name in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[name].script))]
+        mode = checkpointing_cost if args.checkpointing else compare
+        rows = mode(args, table, chosen, tmp)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([dict(strategy=k[0], impl=k[1], ranks=k[2], formula_bytes=sum(t.bytes for t in table[k[0]][5]())
-                            if k[0] in table else 0, **v) for k, v in best.items()], f, indent=2)
+            json.dump(rows, f, indent=2)
 
 
 if __name__ == "__main__":

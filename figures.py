@@ -29,6 +29,7 @@ import textwrap
 import torch
 
 import bench
+import bench_pipeline
 import checkpoint
 import gpt
 import plan
@@ -83,11 +84,11 @@ def comm_bytes(args, tmp):
 
 def pipeline_timeline(args, tmp):
     """{schedule: [per stage: {"waits": [(start, end)], "step_s"}]}: one step of train_pp.py on 2 stages, 4
-    micro-batches, from bench.py --pipeline's measurement."""
+    micro-batches, from bench_pipeline.py's measurement (bench.py --pipeline)."""
     bench_args = argparse.Namespace(model="tiny", data=args.data, block_size=args.block_size, global_batch=8,
                                     micro_batch=2, steps=8, warmup=3, device="cpu", dtype="float32", compile=False,
                                     threads=1)
-    rows = [row for row in bench.pipeline(bench_args, tmp) if row["impl"] == "ours"]
+    rows = [row for row in bench_pipeline.measure(bench_args, tmp) if row["impl"] == "ours"]
     return {row["schedule"]: [dict(waits=s["waits"], step_s=s["step_s"]) for s in row["stages"]] for row in rows}
 
 

@@ -45,6 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench  # noqa: E402
+import bench_pipeline  # noqa: E402
 import checkpoint  # noqa: E402
 import gpt  # noqa: E402
 import gpu_check  # noqa: E402
@@ -963,7 +964,8 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
         train_single.main(flags(corpus, tmp_path, **bad))
 
 
-SCRIPTS = [train_single, train_ddp, train_fsdp, train_tp, train_2d, train_pp, prepare_data, bench, gpu_check]
+SCRIPTS = [train_single, train_ddp, train_fsdp, train_tp, train_2d, train_pp, prepare_data, bench, gpu_check,
+           bench_pipeline]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.__name__)
@@ -1583,6 +1585,15 @@ def test_bench_forwards_gpu_check_which_imports_nothing_the_gpu_machine_lacks(gp
                             env=dict(os.environ, PYTHONPATH=gpu_machine_lacks, COLUMNS="120"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "usage: gpu_check.py" in result.stdout and "A GPU machine's first check" in result.stdout
+
+
+def test_bench_forwards_pipeline_to_bench_pipeline():
+    """python bench.py --pipeline runs bench_pipeline.py with the other flags: a file of its own, which imports
+    bench.py's launcher and flags, so bench.py starts it as a process rather than importing it back."""
+    result = subprocess.run([sys.executable, "bench.py", "--pipeline", "--help"], cwd=HERE, capture_output=True,
+                            text=True, timeout=120, env=dict(os.environ, COLUMNS="120"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage: bench_pipeline.py" in result.stdout and "--micro_batch MICRO_BATCH" in result.stdout
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -4080,13 +4091,13 @@ def test_pipeline_plan_counts_each_stage_as_train_pp_builds_it(schedule, capsys)
 
 @launches_its_own_ranks
 def test_bench_pipeline_measures_what_the_formulas_say(corpus, tmp_path):
-    """bench.py --pipeline, 2 stages, m = 4 micro-batches of 2, float32: each stage sends m activations forward or
+    """bench_pipeline.py (bench.py --pipeline), 2 stages, m = 4 micro-batches of 2, float32: each stage sends m activations forward or
     m gradients back a step, to the byte; the activations autograd holds at a stage's peak are the planner's (GPipe:
     all 4 micro-batches; 1F1B: 2 on the first stage, 1 on the last; measured: within 64 bytes); the bubble is
     measured beside (p - 1) / (m + p - 1), ours and torch's tokens/s beside each other."""
     args = argparse.Namespace(model="tiny", data=corpus, block_size=32, global_batch=8, micro_batch=2, steps=5,
                               warmup=1, device="cpu", dtype="float32", compile=False, threads=1)
-    rows = bench.pipeline(args, str(tmp_path))
+    rows = bench_pipeline.measure(args, str(tmp_path))
     expected = [(schedule, impl) for schedule in ("gpipe", "1f1b") for impl in ("ours", "torch")]
     assert [(row["schedule"], row["impl"]) for row in rows] == expected
     for row in rows:
