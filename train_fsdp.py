@@ -129,9 +129,10 @@ def current_value(name, param, flat):
 
 
 class FullyShardedDataParallel(nn.Module):
-    """ZeRO-3 on any nn.Module: the root and each of `units` (default: its `blocks`) gather one at a time to compute
-    in `compute_dtype`; shards, AdamW and gradient reduction stay float32. initial_value(name, parameter, flat) gives
-    its elements [flat[0], flat[1]) (needed on meta); tp_boxes {name: (full shape, box)} places train_2d.py's slices."""
+    """ZeRO-3 on any nn.Module. The root and each of `units` (default: its `blocks`, listed in the order their forwards
+    run: each prefetches the next) are gathered one at a time to compute in `compute_dtype`; shards, AdamW and gradient
+    reduction stay float32. initial_value(name, parameter, flat) gives a parameter's elements [flat[0], flat[1]) (needed
+    on meta). tp_boxes {name: (full shape, box)} places train_2d.py's tensor-parallel slices in the checkpoints."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=current_value, tp_boxes=None):
@@ -150,7 +151,6 @@ class FullyShardedDataParallel(nn.Module):
             unit.register_forward_pre_hook(partial(self._before_forward, index))
             unit.register_forward_hook(partial(self._after_forward, index))
             unit.register_full_backward_pre_hook(partial(self._before_backward, index))  # its outputs' gradients are in
-        self.order = []  # units in the order their forward first ran: which to prefetch next
         self.in_flight = None  # the latest reduce-scatter, finished when the next one starts
 
     def forward(self, *args, **kwargs):
@@ -164,8 +164,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def gather(self, index, direction):
         """Gather unit `index` for its modules; the next one's gather (forward +1, backward -1) starts first."""
-        following = self.order[(self.order.index(index) + direction) % len(self.order)]
-        for flat in self.units[index] + self.units[following]:
+        following = self.units[(index + direction) % len(self.units)]  # the units run in the order they are listed
+        for flat in self.units[index] + following:
             flat.gather(wait=False)
         with torch.enable_grad() if direction < 0 else nullcontext():  # for --activation_checkpointing's recompute
             for flat in self.units[index]:
@@ -174,8 +174,6 @@ class FullyShardedDataParallel(nn.Module):
 
     @torch.compiler.disable  # --compile: the model compiles between the units' hooks, which run as written
     def _before_forward(self, index, module, args):
-        if index not in self.order:
-            self.order.append(index)
         self.gather(index, +1)
 
     @torch.compiler.disable
