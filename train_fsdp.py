@@ -38,23 +38,23 @@ class FlatParameter:
         self.shard_size = -(-sum(self.sizes) // self.world)  # rounded up
         self.padding = self.shard_size * self.world - sum(self.sizes)
         self.shard = nn.Parameter(torch.zeros(self.shard_size, device=device), requires_grad=params[0].requires_grad)
-        self.spans = [slice(0, 0)] * len(params)  # where each parameter's piece lies in the shard
+        self.spans = []  # where each parameter's piece lies in the shard; empty if it lies in other ranks' shards
+        self.locals = []  # each parameter's piece, registered in its place: the module's names reach this rank's part
         self.parts = []  # checkpoint.Part's fields: (name, full shape, box, [begin, end) of the box, shard, start)
         offset = -dist.get_rank(wrapper.group) * self.shard_size  # the next parameter's start, from the shard's
-        for index, (name, param) in enumerate(zip(self.names, params)):
+        for name, param, uses in zip(self.names, params, self.uses):
             start = max(offset, 0)
-            stop = min(offset + param.numel(), self.shard_size)
+            stop = max(start, min(offset + param.numel(), self.shard_size))
+            self.spans.append(slice(start, stop))
+            self.locals.append(nn.Parameter(self.shard.detach()[start:stop], param.requires_grad))
+            for module, attribute in uses:
+                module._parameters[attribute] = self.locals[-1]
             if start < stop:  # deferred init: one piece of one parameter at a time, never a whole buffer
                 piece = (start - offset, stop - offset)
-                self.spans[index] = slice(start, stop)
                 self.shard.detach()[start:stop] = initial_value(name, param, piece)  # the padding stays zero
-                shape, box = wrapper.tp_boxes.get(name, (tuple(param.shape), tuple((0, n) for n in param.shape)))
+                shape, box = wrapper.tp_boxes.get(name, (param.shape, [(0, n) for n in param.shape]))
                 self.parts.append((name, shape, box, piece, self.shard, start))
             offset += param.numel()
-        self.locals = [nn.Parameter(self.shard.detach()[span], self.shard.requires_grad) for span in self.spans]
-        for local, uses in zip(self.locals, self.uses):
-            for module, attribute in uses:
-                module._parameters[attribute] = local
         self.full = None
         self.work = None  # the all-gather in flight, and the tensor it reads
 
@@ -64,7 +64,7 @@ class FlatParameter:
             sent = self.shard.detach().to(self.wrapper.compute_dtype)  # cast first: bf16 moves half the bytes
             self.full = sent.new_empty(self.shard_size * self.world)
             self.work = (all_gather_single(self.full, sent, group=self.wrapper.group, async_op=True), sent)
-            self.wrapper.gathered[self.full.untyped_storage().data_ptr()] = self
+            self.wrapper.gathered[self.full.data_ptr()] = self  # a fresh buffer: its storage's address
         if wait and self.work is not None:
             self.work[0].wait()
             self.work = None  # and with it `sent`, held until the collective had read it
@@ -79,7 +79,7 @@ class FlatParameter:
     def free(self):
         if self.full is not None:
             self.gather()  # a prefetch nobody used lands before its buffer goes
-            del self.wrapper.gathered[self.full.untyped_storage().data_ptr()]
+            del self.wrapper.gathered[self.full.data_ptr()]
             self.full = None
         for uses in self.uses:
             for module, attribute in uses:
@@ -109,16 +109,16 @@ def flat_parameter_groups(module, units=None):
     """Each unit's FlatParameters, {kind: [(name, parameter, its (module, attribute) uses)]}; plan.py reads it too."""
     holders = unit_modules(module, units)
     owner = {sub: index for index, unit in enumerate(holders) for sub in unit.modules()}  # innermost wins
-    entries = {}  # one a parameter, however many modules use it
+    uses = {}  # parameter -> every (module, attribute) holding it: a tied weight has two
     for name, param in module.named_parameters(remove_duplicate=False):
         module_name, _, attribute = name.rpartition(".")
-        entries.setdefault(param, (name, param, []))[2].append((module.get_submodule(module_name), attribute))
+        uses.setdefault(param, []).append((module.get_submodule(module_name), attribute))
     groups = [{} for _ in holders]
-    for name, param, uses in entries.values():  # the innermost unit holding every use; tied across units: the root
-        users = {owner[sub] for sub, _ in uses}
-        unit = users.pop() if len(users) == 1 else 0
+    for name, param in module.named_parameters():  # a tied parameter once, under its first name
+        users = {owner[sub] for sub, _ in uses[param]}
+        unit = users.pop() if len(users) == 1 else 0  # the innermost unit holding every use; else the root
         kind = (param.requires_grad, param.dim() >= 2)
-        groups[unit].setdefault(kind, []).append((name, param, uses))
+        groups[unit].setdefault(kind, []).append((name, param, uses[param]))
     return groups
 
 
@@ -129,9 +129,10 @@ def current_value(name, param, flat):
 
 
 class FullyShardedDataParallel(nn.Module):
-    """ZeRO-3 on any nn.Module: the root and each of `units` (default: its `blocks`) gather one at a time to compute
-    in `compute_dtype`; shards, AdamW and gradient reduction stay float32. initial_value(name, parameter, flat) gives
-    its elements [flat[0], flat[1]) (needed on meta); tp_boxes {name: (full shape, box)} places train_2d.py's slices."""
+    """ZeRO-3 on any nn.Module. The root and each of `units` (default: its `blocks`, listed in the order their forwards
+    run: each prefetches the next) are gathered one at a time to compute in `compute_dtype`; shards, AdamW and gradient
+    reduction stay float32. initial_value(name, parameter, flat) gives a parameter's elements [flat[0], flat[1]) (needed
+    on meta). tp_boxes {name: (full shape, box)} places train_2d.py's tensor-parallel slices in the checkpoints."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=current_value, tp_boxes=None):
@@ -150,7 +151,6 @@ class FullyShardedDataParallel(nn.Module):
             unit.register_forward_pre_hook(partial(self._before_forward, index))
             unit.register_forward_hook(partial(self._after_forward, index))
             unit.register_full_backward_pre_hook(partial(self._before_backward, index))  # its outputs' gradients are in
-        self.order = []  # units in the order their forward first ran: which to prefetch next
         self.in_flight = None  # the latest reduce-scatter, finished when the next one starts
 
     def forward(self, *args, **kwargs):
@@ -164,8 +164,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def gather(self, index, direction):
         """Gather unit `index` for its modules; the next one's gather (forward +1, backward -1) starts first."""
-        following = self.order[(self.order.index(index) + direction) % len(self.order)]
-        for flat in self.units[index] + self.units[following]:
+        following = self.units[(index + direction) % len(self.units)]  # the units run in the order they are listed
+        for flat in self.units[index] + following:
             flat.gather(wait=False)
         with torch.enable_grad() if direction < 0 else nullcontext():  # for --activation_checkpointing's recompute
             for flat in self.units[index]:
@@ -174,8 +174,6 @@ class FullyShardedDataParallel(nn.Module):
 
     @torch.compiler.disable  # --compile: the model compiles between the units' hooks, which run as written
     def _before_forward(self, index, module, args):
-        if index not in self.order:
-            self.order.append(index)
         self.gather(index, +1)
 
     @torch.compiler.disable
@@ -203,9 +201,9 @@ class FullyShardedDataParallel(nn.Module):
     def _unpack(self, saved):
         if isinstance(saved, torch.Tensor):
             return saved
-        flat, shape, stride, offset = saved
+        flat, *view = saved  # shape, stride and offset into `full`
         flat.gather()  # gathered already, unless its unit's backward freed it (a frozen parameter read later)
-        return flat.full.as_strided(shape, stride, offset)
+        return flat.full.as_strided(*view)
 
     def reduce_scatter(self, flat, grad):
         """Start averaging the unit's gradient into this rank's piece once the previous one has landed."""
@@ -265,9 +263,10 @@ def main(argv=None):
 
     # ---- model: built on meta, left there for the strategy to materialise shard by shard (--no_deferred_init: whole)
     value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
-    with torch.device(device if args.no_deferred_init else "meta"):
+    with torch.device("meta"):
         model = gpt.GPT(config)
-    if args.no_deferred_init:
+    if args.no_deferred_init:  # the whole model on every rank first, as train_single.py builds it
+        model.to_empty(device=device)
         model.init_weights(args.seed, value)
     gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
 
@@ -280,7 +279,8 @@ def main(argv=None):
         model = FullyShardedDataParallel(model, device=device, compute_dtype=getattr(torch, args.dtype),
                                          reshard_after_forward=not args.no_reshard,  # by name: on meta or not
                                          initial_value=lambda name, param, flat: value(name, param.shape, flat=flat))
-        groups, clip_grad_norm = model.parameter_groups(), model.clip_grad_norm_
+        groups = model.parameter_groups()
+        clip_grad_norm = model.clip_grad_norm_
         parts = [checkpoint.Part(*where) for where in model.parts()]
     optimizer = training.make_optimizer(groups, args, device)
     forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
