@@ -145,8 +145,7 @@ def save(args, step, tensors, config, device, rank=0, world_size=1):
 
 
 def write_everywhere(write, folder, tensors, rank, world_size):
-    """write() on every rank, then agree (one all-gather) on whether every rank's succeeded; if not, remove the
-    unpublished folder and stop every rank with the first failure's one line."""
+    """write() on every rank; if it failed on any (one all-gather tells), remove the folder and stop every rank."""
     error = None
     try:
         write()

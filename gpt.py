@@ -185,13 +185,8 @@ def initial_value(name, shape, config, seed):
     return torch.randn(shape, generator=generator) * std
 
 
-def set_attention(model, attn, device, dtype):
-    """--attn sdpa|flash. flash-attn's kernels exist only for CUDA in half precision."""
-    if attn == "flash":
-        if flash_attn_func is None:
-            raise RuntimeError("--attn flash needs the flash-attn package (pip install flash-attn); or use --attn sdpa")
-        if device.type != "cuda" or dtype != torch.bfloat16:
-            raise RuntimeError("--attn flash runs only on CUDA with --dtype bfloat16; use --attn sdpa otherwise")
+def set_attention(model, attn):
+    """--attn sdpa|flash (training.check_arguments has made sure flash-attn can run: CUDA, bfloat16)."""
     for module in model.modules():
         if isinstance(module, CausalSelfAttention):
             module.use_flash = attn == "flash"

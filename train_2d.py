@@ -75,7 +75,7 @@ def main(argv=None):
     # ---- model: built on meta; each rank materialises only its FSDP shards of its TP slices
     with torch.device("meta"):
         model = gpt.GPT(config)
-    gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
+    gpt.set_attention(model, args.attn)
 
     # ---- strategy: tensor parallel inside each TP group, then fully sharded over each DP group
     if args.impl == "torch":

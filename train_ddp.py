@@ -159,7 +159,7 @@ def main(argv=None):
         model = gpt.GPT(config)
     model.to_empty(device=device)
     model.init_weights(args.seed, training.initial_values(config, args.seed, args.init_from))
-    gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
+    gpt.set_attention(model, args.attn)
 
     # ---- strategy: a whole replica on every rank, gradients averaged over the ranks during backward
     if args.impl == "torch":

@@ -268,7 +268,7 @@ def main(argv=None):
     if args.no_deferred_init:  # the whole model on every rank first, as train_single.py builds it
         model.to_empty(device=device)
         model.init_weights(args.seed, value)
-    gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
+    gpt.set_attention(model, args.attn)
 
     # ---- strategy: each unit's parameters, gradients and AdamW state sharded over the ranks; gathered to compute
     if args.impl == "torch":

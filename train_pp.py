@@ -248,7 +248,7 @@ def main(argv=None):
         model = gpt.GPT(config)
     stage = Stage(model, stage_index, pp)
     stage.init_weights(device, training.initial_values(config, args.seed, args.init_from))
-    gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
+    gpt.set_attention(model, args.attn)
 
     # ---- strategy: one stage a rank, its gradients averaged over the stage's replicas in the last backward
     pipeline = PipelineParallel(stage, pipeline_group, config)

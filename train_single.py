@@ -37,7 +37,7 @@ def main(argv=None):
         model = gpt.GPT(config)
     model.to_empty(device=device)
     model.init_weights(args.seed, training.initial_values(config, args.seed, args.init_from))
-    gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
+    gpt.set_attention(model, args.attn)
 
     # ---- strategy: none; every parameter lives whole on this device
     parts = checkpoint.parameter_parts(model)

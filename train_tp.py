@@ -351,7 +351,7 @@ def main(argv=None):
             part.local().copy_(value(part.name, part.shape, part.box, part.flat))
         groups = training.decay_groups(model.parameters())
         clip_grad_norm = partial(clip_grad_norm_, parts, tp_group=dist.group.WORLD)
-    gpt.set_attention(model, args.attn, device, getattr(torch, args.dtype))
+    gpt.set_attention(model, args.attn)
 
     # ---- strategy: sharded matrices, replicated norms and biases; replicated tensors are saved by rank 0 only
     optimizer = training.make_optimizer(groups, args, device)

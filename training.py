@@ -40,18 +40,14 @@ def get_parser(description, strategy="single"):
     p.set_defaults(strategy=strategy)
     add = p.add_argument_group("model and data").add_argument
     add("--model", choices=list(gpt.PRESETS), help="gpt.py's preset (default: tiny, or --init_from's)")
-    add("--init_from",
-        help="start from GPT-2's weights: gpt2 ... gpt2-xl (Hugging Face hub) or a folder with config.json and "
-        "model.safetensors; --resume of a checkpoint wins")
-    add("--data", default=DEFAULT_DATA_DIR,
-        help="folder with train.bin, val.bin, meta.json (default: the embedded corpus, built on first use)")
+    add("--init_from", help="GPT-2's weights to start from: gpt2 ... gpt2-xl, or a folder of Hugging Face safetensors")
+    add("--data", default=DEFAULT_DATA_DIR, help="prepare_data.py's folder (default: the embedded corpus, made once)")
     add("--block_size", type=positive_int, default=128, help="context length, in tokens")
     add("--dropout", type=probability, default=0.0, help="dropout probability")
     add("--seed", type=int, default=1337, help="seeds the initial weights, the batches and sampling")
     add = p.add_argument_group("batch and schedule").add_argument
     add("--global_batch", type=positive_int, default=16, help="sequences per optimizer step")
-    add("--micro_batch", type=positive_int,
-        help="sequences per rank per micro-step (default: global batch / data-parallel size, no accumulation)")
+    add("--micro_batch", type=positive_int, help="sequences per rank per micro-step (default: no accumulation)")
     add("--max_steps", type=positive_int, default=1000, help="optimizer steps of the whole run")
     add("--lr", type=non_negative, default=3e-3, help="peak learning rate, reached after the warmup")
     add("--min_lr", type=non_negative, default=3e-4, help="learning rate at --max_steps (cosine)")
@@ -62,8 +58,7 @@ def get_parser(description, strategy="single"):
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     add("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: autocast, float32 weights")
     add("--compile", action="store_true", help="torch.compile each transformer block")
-    add("--activation_checkpointing", action="store_true",
-        help="keep only each block's input for backward and recompute the rest: less memory, ~1/3 more compute")
+    add("--activation_checkpointing", action="store_true", help="recompute blocks in backward: less memory")
     add("--tf32", action="store_true", help="TF32 matmuls on CUDA (faster; float32 differs ~1e-3)")
     add("--attn", default="sdpa", choices=["sdpa", "flash"], help="torch's scaled_dot_product_attention or flash-attn")
     add("--timeout", type=positive, default=600, help="seconds a collective may wait before failing")
@@ -348,8 +343,7 @@ class BatchSampler:
 
 
 def load_data(args, dp_rank, dp_size, device, is_writer):
-    """Every check of the data and batch flags, before any collective: (meta, model config, train and val
-    samplers) for this data-parallel rank."""
+    """Every check of the data and batch flags, before any collective: (meta, config, this rank's two samplers)."""
     check_arguments(args, device)
     meta = ensure_data(args.data, is_writer)
     if args.micro_batch is None and args.global_batch % dp_size:
@@ -461,8 +455,7 @@ def evaluate(step, args, model, sampler, autocast, dp_group=None):
 
 @torch.no_grad()
 def estimate_loss(model, sampler, iters, autocast, dp_group=None):
-    """Mean validation loss over `iters` global batches of `sampler`: this rank's rows, then averaged over
-    dp_group (None: this process holds every row)."""
+    """Mean loss over `iters` global batches of `sampler`: this rank's rows, averaged over dp_group (None: no peers)."""
     model.eval()
     total = torch.zeros((), device=sampler.device)
     for step in range(iters):
@@ -511,8 +504,7 @@ def peak_memory_mb(device):
 
 
 class Logger:
-    """Progress of a run: the console (rank 0, or every rank with --log_all_ranks) and, from rank 0,
-    <out_dir>/metrics.jsonl and the trackers asked for (trackers.py)."""
+    """Progress: the console (rank 0, or every rank with --log_all_ranks); from rank 0, metrics.jsonl and trackers."""
 
     def __init__(self, args, config, device, rank=0, world_size=1):
         self.args, self.device, self.world_size = args, device, world_size
