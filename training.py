@@ -216,8 +216,7 @@ def launched_rank(args=None):
 
 
 def get_device(args, local_rank=0):
-    """--device (auto: CUDA when there is one) and --tf32. TF32 rounds float32 matmul inputs to 10 mantissa bits:
-    faster, but two float32 layouts then differ by far more than their reduction order, so it is off by default."""
+    """--device (auto: CUDA if there is one) and --tf32, off by default: it moves float32 far past reduction noise."""
     torch.backends.cuda.matmul.allow_tf32 = getattr(args, "tf32", False)
     torch.backends.cudnn.allow_tf32 = getattr(args, "tf32", False)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -232,8 +231,7 @@ def get_device(args, local_rank=0):
 
 
 def init_distributed(args, script, device):
-    """Join the process group (unless the caller already did: a test, a notebook) and check that every rank runs
-    the same code and flags. Returns (rank, world size, whether this call created the group)."""
+    """Join the process group (unless a test already did), check every rank: (rank, world size, whether it joined)."""
     owns_group = not dist.is_initialized()
     if owns_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -265,10 +263,9 @@ def check_same_on_every_rank(args, script, world_size):
         raise UsageError(f"ranks {differ} run other code (script, training.py, checkpoint.py or gpt.py) than rank 0; "
                          "launch every rank with the same files and flags")
     differ = [rank for rank, (_, other) in enumerate(everyone) if other != everyone[0][1]]
-    if differ:
+    if differ:  # the same code, so the same flags: only their values differ
         ours, theirs = everyone[0][1], everyone[differ[0]][1]
-        changed = ", ".join(f"--{key} {ours.get(key)} vs {theirs.get(key)}" for key in sorted(ours.keys() | theirs.keys())
-                            if ours.get(key) != theirs.get(key))
+        changed = ", ".join(f"--{key} {ours[key]} vs {theirs[key]}" for key in sorted(ours) if ours[key] != theirs[key])
         raise UsageError(f"ranks {differ} run other arguments than rank 0 (rank 0 vs rank {differ[0]}: {changed}); "
                          "launch every rank with the same files and flags")
 
@@ -307,9 +304,8 @@ class StopRequest:
 
 
 class BatchSampler:
-    """Draws the batch of optimizer step `step` from (seed, step) alone, whatever the layout: `global_batch` random
-    windows of the token file. Data-parallel rank r owns the contiguous rows [r * accumulation * micro_batch,
-    (r + 1) * accumulation * micro_batch), micro_batch of them a micro-step; tensor-parallel peers share them."""
+    """The batch of step `step` from (seed, step) alone: `global_batch` random windows of the token file. Data-parallel
+    rank r owns rows [r, r + 1) x accumulation x micro_batch, micro_batch a micro-step; TP peers share them."""
 
     def __init__(self, path, block_size, global_batch, micro_batch, dp_rank, dp_size, seed, device):
         if global_batch % (micro_batch * dp_size):
@@ -471,8 +467,7 @@ def estimate_loss(model, sampler, iters, autocast, dp_group=None):
 
 
 def sample(model, meta, args, device, autocast, show):
-    """Print --sample_tokens generated after --prompt. Every rank of a sharded model calls it (each forward needs
-    them all); the seeded sampler makes them draw the same tokens; `show` picks the one that prints."""
+    """Print --sample_tokens after --prompt. Every rank of a sharded model calls it (each forward needs them all)."""
     if not args.sample_tokens:
         return
     tokenizer = get_tokenizer(meta["tokenizer"])
