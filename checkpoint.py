@@ -5,6 +5,11 @@ newest complete one. A rank file maps tensor names (gpt.py's parameter names, an
 for AdamW's moments) to the pieces the rank holds (its Parts, below, copied out), each
     {"shape": full shape, "box": ((start, stop) per dim), "flat": (start, stop), "data": 1-D tensor}
 Loading assembles each full tensor from every piece and lets the loading layout take its own part.
+
+Saving (save): every rank writes its file into `ckpt-<step>.tmp`, the ranks agree that every write succeeded, and
+rank 0 writes meta.pt, renames the folder into place and repoints `latest`. Resuming: to_resume finds the checkpoint
+and refuses what it cannot continue, before any collective; resume loads this rank's part of every tensor, AdamW's
+moments and the random generators' state.
 """
 
 import errno

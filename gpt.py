@@ -4,6 +4,9 @@ count, and sampling. Reads like nanoGPT's model.py. There is no torch.distribute
 applied to the model from outside (train_ddp.py, train_fsdp.py, train_tp.py, train_2d.py) and it runs unchanged
 under them; what every training script needs that is not the model lives in training.py, and GPT-2's pretrained
 weights are read by hugging_face.py.
+
+Top to bottom: the config and its presets; attention, MLP, block and GPT; the loss over the real vocabulary; every
+parameter's initial value by name; the attention kernel's choice; generate; and the FLOPs per token behind MFU.
 """
 
 import hashlib

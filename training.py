@@ -1,6 +1,12 @@
 """
 What every run needs but the model and its strategy (train_*.py): flags, launch and the ranks' fingerprint check, the
 batch sampler, initial values, optimizer and schedule, evaluation, the sample, the compile / recompute wrapper, logs.
+
+A script's main() calls it in this file's order: get_parser; launched_rank and get_device; load_data, which checks
+every flag before any collective; init_distributed; initial_values; make_optimizer and wrap_blocks; Logger.start;
+then each step evaluate, set_lr, StopRequest.agreed and Logger.log_step; sample at the end. `run(main)` is every
+script's entry point: a mistake or a planned stop ends the run with one line and an exit code, not a traceback from
+every rank. Nothing here knows a strategy: a script passes in its own data-parallel rank and group.
 """
 
 import atexit
@@ -194,9 +200,9 @@ def exit_code(main):
 def say_once(line, code, wait=True):
     """Print `line` from rank 0 and exit with `code`; another rank waits for torchrun to end it (if `wait`: a rank
     still running after OTHER_RANKS_WAIT_S failed alone and says so itself)."""
-    if launched_rank()[0] != 0 and not wait:
-        sys.exit(code)
     if launched_rank()[0] != 0:
+        if not wait:
+            sys.exit(code)
         signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
         time.sleep(OTHER_RANKS_WAIT_S)
     print(line, file=sys.stderr)
@@ -287,7 +293,7 @@ class StopRequest:
 
     def agreed(self, device):
         """Whether any rank has received one: the same answer on every rank."""
-        received = torch.tensor(float(len(self.received) > 0), device=device)
+        received = torch.tensor(float(bool(self.received)), device=device)
         if dist.is_initialized():
             dist.all_reduce(received, op=dist.ReduceOp.MAX)
         return received.item() > 0
