@@ -39,14 +39,14 @@ def _all_reduce(x, group, dim):
 
 def _all_gather(x, group, dim):
     shard = x.movedim(dim, 0).contiguous()  # a view of a tensor stored dim-first; any other layout is copied
-    out = shard.new_empty(dist.get_world_size(group) * shard.shape[0], *shard.shape[1:])
+    out = shard.new_empty(dist.get_world_size(group) * len(shard), *shard.shape[1:])
     all_gather_single(out, shard, group=group)
     return out.movedim(0, dim)
 
 
 def _reduce_scatter(x, group, dim):
     whole = x.movedim(dim, 0).contiguous()
-    out = torch.empty_like(whole.chunk(dist.get_world_size(group))[0])  # rank i's part: the i-th chunk
+    out = whole.new_empty(len(whole) // dist.get_world_size(group), *whole.shape[1:])  # rank i keeps chunk i
     reduce_scatter_single(out, whole, group=group)
     return out.movedim(0, dim)
 
@@ -195,24 +195,23 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 class RNGFork:
     """Megatron-LM's RNG fork: dropout on a rank's own heads (or sequence shard) must differ across ranks, dropout on
-    what every rank holds alike must agree. `enter`, a hook where the region starts, draws a seed from the default
-    generators (alike on every rank) and reseeds them with it plus the rank; `leave`, where it ends, restores them.
-    The seed is drawn from their state, so a resumed run or a recomputed block, which restore it, replays each mask."""
+    what every rank holds alike must agree. `enter`, a hook where the region starts, forks the default generators
+    and reseeds them with a seed drawn from them (alike on every rank) plus the rank; `leave` restores them. A
+    resumed run or a recomputed block restores their state, so it replays each mask."""
 
     def __init__(self, rank):
         self.rank = rank
-        self.outside = None  # the default generators' state (CPU, this GPU's or None) while the region runs
+        self.fork = None  # torch.random.fork_rng while the region runs
 
     def enter(self, module, args):
         seed = int(torch.randint(2**62, ()))  # advances the default generator: the next region draws another
         device = args[0].device
-        self.outside = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        self.fork = torch.random.fork_rng([device] if device.type == "cuda" else [])
+        self.fork.__enter__()
         torch.manual_seed(seed + self.rank)
 
     def leave(self, module, args, *output):
-        torch.set_rng_state(self.outside[0])
-        if self.outside[1] is not None:
-            torch.cuda.set_rng_state(self.outside[1], args[0].device)
+        self.fork.__exit__(None, None, None)
 
 
 # What parallelize() splits in each block, by gpt.py's names: column-parallel linears by output rows (weight and
@@ -229,17 +228,19 @@ def is_sliced(name):
 
 def sampling_hooks(model, multiple, gather):
     """generate() calls model(idx) without targets, at any length, and wants whole logits (here and in
-    torch_reference.py). Pad the prompt to a `multiple` of the sequence shards (causal: padding never reaches
-    earlier positions), gather the logits, drop the padding."""
-    lengths = []
+    torch_reference.py). Pad idx to a `multiple` of the sequence shards (causal: padding never reaches earlier
+    positions; a training batch needs none), gather the logits, drop the padding."""
 
-    def pad(module, args, kwargs):
-        if len(args) == 1 and kwargs.get("targets") is None:
-            lengths.append(args[0].shape[1])
-            return (F.pad(args[0], (0, -lengths[-1] % multiple)),), kwargs
+    def pad(module, args):
+        module.sequence_length = args[0].shape[1]
+        return (F.pad(args[0], (0, -module.sequence_length % multiple)), *args[1:])
 
-    model.register_forward_pre_hook(pad, with_kwargs=True)
-    model.register_forward_hook(lambda module, args, out: gather(out)[:, :lengths.pop()] if out.dim() == 3 else None)
+    def unpad(module, args, out):
+        if out.dim() == 3:  # logits, not a loss
+            return gather(out)[:, :module.sequence_length]
+
+    model.register_forward_pre_hook(pad)
+    model.register_forward_hook(unpad)
     return model
 
 
@@ -296,14 +297,12 @@ def clip_grad_norm_(parts, max_norm, tp_group):
     """The full model's gradient norm, each element counted once: slices on their own rank, replicated parameters
     on TP rank 0 only (in train_2d.py each part is also an FSDP shard, disjoint across data-parallel ranks)."""
     first = dist.get_rank(tp_group) == 0
-    total = torch.zeros((), device=parts[0].tensor.device)
-    for part in parts:
-        if part.sliced or first:
-            total += part.local(part.tensor.grad).float().pow(2).sum()
+    squares = [part.local(part.tensor.grad).float().pow(2).sum() for part in parts if part.sliced or first]
+    total = sum(squares, torch.zeros((), device=parts[0].tensor.device))
     dist.all_reduce(total)  # over every rank: in train_2d.py the data-parallel shards are disjoint too
     norm = total.sqrt()
-    grads = list({id(part.tensor): part.tensor.grad for part in parts}.values())  # an FSDP shard holds many parts
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # clip_grad_norm_'s coefficient
+    tensors = list(dict.fromkeys(part.tensor for part in parts))  # each once: an FSDP shard holds many parts
+    torch.nn.utils.clip_grads_with_norm_(tensors, max_norm, norm)
     return norm
 
 
@@ -317,10 +316,9 @@ def main(argv=None):
 
     # ---- process groups: every rank is one tensor-parallel rank; they all read the same rows
     rank, local_rank, world_size = training.launched_rank(args)
-    tp = args.tp or world_size
     dp_rank, dp_size = 0, 1
-    if tp != world_size:
-        raise training.UsageError(f"--tp {tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so --tp "
+    if args.tp not in (None, world_size):
+        raise training.UsageError(f"--tp {args.tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so --tp "
                                   "must be the world size; use train_2d.py to combine it with data parallelism")
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
         import plan
@@ -329,7 +327,7 @@ def main(argv=None):
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
-    training.check_tensor_parallel(config, tp, args.sequence_parallel)
+    training.check_tensor_parallel(config, world_size, args.sequence_parallel)
     checkpoint_path = checkpoint.to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     torch.manual_seed(args.seed + dp_rank)  # dropout outside the tensor-parallel region: the same on every tp rank
@@ -360,9 +358,8 @@ def main(argv=None):
 
     start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
-    modes = ", ".join([args.impl] + ["sequence parallel"] * args.sequence_parallel
-                      + ["loss parallel"] * (not args.no_loss_parallel))
-    logger.start(train_data, dp_size, start_step, layout=f"tensor parallel {tp} ({modes}) | ")
+    modes = f"--impl {args.impl}, sequence_parallel={args.sequence_parallel}, loss_parallel={not args.no_loss_parallel}"
+    logger.start(train_data, dp_size, start_step, layout=f"tensor parallel {world_size} ({modes}) | ")
 
     # ---- loop
     stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
