@@ -139,26 +139,19 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, stop) of the padded vocabulary: other ids look up zeros, and g sums the ranks' rows (under
-    sequence parallelism it reduce-scatters them: the residual stream starts sharded)."""
+    """Rows [start, stop) of the padded vocabulary: other ids look up zeros. g, in a hook, sums the ranks' rows
+    (under sequence parallelism it reduce-scatters them: the residual stream starts sharded)."""
 
-    def __init__(self, embedding, group, sequence_parallel):
+    def __init__(self, embedding, group):
         super().__init__()
-        self.group = group
-        self.sequence_parallel = sequence_parallel
         self.weight, weight_box = _shard(embedding.weight, group, 0)
         self.boxes = {"weight": weight_box}
         self.start, self.stop = weight_box[1][0]
 
     def forward(self, idx):
-        if self.sequence_parallel:
-            idx = idx.t()  # looked up sequence-first (see the mappings)
         outside = (idx < self.start) | (idx >= self.stop)
         out = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0)
-        if self.sequence_parallel:
-            out = out.transpose(0, 1)
-        return g(out, self.group, self.sequence_parallel)
+        return out.masked_fill(outside.unsqueeze(-1), 0)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -247,7 +240,7 @@ def sampling_hooks(model, multiple, gather):
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
     """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place, on meta before to_empty and
     init_weights."""
-    model.wte = VocabParallelEmbedding(model.wte, group, sequence_parallel)
+    model.wte = VocabParallelEmbedding(model.wte, group)
     model.lm_head.weight = model.wte.weight  # tied: the LM head is column-parallel over the same vocabulary rows
     for block in model.blocks:
         for name in COLUMN_PARALLEL:
@@ -261,12 +254,13 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
             module.proj.register_forward_pre_hook(rng.leave)
         if isinstance(module, (gpt.CausalSelfAttention, gpt.MLP)):  # f once per region: q, k and v share one
             module.register_forward_pre_hook(lambda module, args: f(args[0], group, sequence_parallel))
-        if isinstance(module, nn.LayerNorm) and sequence_parallel:  # on the [T, B, C] in memory: batch-first copies
-            module.register_forward_pre_hook(lambda module, args: args[0].transpose(0, 1))
+        if isinstance(module, (VocabParallelEmbedding, nn.LayerNorm)) and sequence_parallel:  # [T, B, ...] as
+            module.register_forward_pre_hook(lambda module, args: args[0].transpose(0, 1))  # stored: no copies
             module.register_forward_hook(lambda module, args, out: out.transpose(0, 1))
         if isinstance(module, nn.Dropout) and sequence_parallel and model.config.dropout:  # this rank's shard
             module.register_forward_pre_hook(rng.enter)
             module.register_forward_hook(rng.leave)
+    model.wte.register_forward_hook(lambda module, args, out: g(out, group, sequence_parallel))
     if sequence_parallel:  # the token embeddings come out as this rank's sequence shard: so must the positions
         model.wpe.register_forward_pre_hook(lambda module, args: _split(args[0], group, 0))
     # The LM head's region: f, then batch-first as the loss flattens it (a [B, T, C] copy, not [B, T, V / tp])
@@ -277,9 +271,8 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
         model.loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(
             logits, targets, group, model.config.vocab_size).mean()
     else:  # Megatron's parallel_output=False: every rank gathers the whole [tokens, vocab] logits
-        model.lm_head.register_forward_hook(lambda module, args, logits: gather(logits))
-    tp = dist.get_world_size(group)
-    return sampling_hooks(model, tp if sequence_parallel else 1, gather if loss_parallel else nn.Identity())
+        model.loss_fn = lambda logits, targets: gpt.cross_entropy(gather(logits), targets, model.config.vocab_size)
+    return sampling_hooks(model, dist.get_world_size(group) if sequence_parallel else 1, gather)
 
 
 def allreduce_replicated_grads(parts, group):
@@ -318,8 +311,8 @@ def main(argv=None):
     rank, local_rank, world_size = training.launched_rank(args)
     dp_rank, dp_size = 0, 1
     if args.tp not in (None, world_size):
-        raise training.UsageError(f"--tp {args.tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so --tp "
-                                  "must be the world size; use train_2d.py to combine it with data parallelism")
+        raise training.UsageError(f"--tp {args.tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so "
+                                  "--tp must be the world size; use train_2d.py to combine it with data parallelism")
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
         import plan
         return plan.print_plan(args, world_size, dp_size, sliced=is_sliced)
