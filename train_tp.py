@@ -162,12 +162,11 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, group, vocab_size):
         vocab = logits.shape[-1]
         start = dist.get_rank(group) * vocab
-        logits = logits.float()
-        if start + vocab > vocab_size:  # this slice holds padding classes: no tokens, no probability, no gradient
-            logits = logits.masked_fill(torch.arange(vocab, device=logits.device) >= vocab_size - start, -float("inf"))
+        padding = torch.arange(start, start + vocab, device=logits.device) >= vocab_size  # classes that are no tokens
+        logits = logits.float().masked_fill(padding, -float("inf"))  # a copy: no probability, no gradient
         logits_max = logits.amax(-1, keepdim=True)
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        logits = logits - logits_max  # every exponent <= 0: no overflow at any logit size
+        logits -= logits_max  # every exponent <= 0: no overflow at any logit size
         outside = (targets < start) | (targets >= start + vocab)
         local_targets = (targets - start).masked_fill(outside, 0).unsqueeze(-1)
         target_logits = logits.gather(-1, local_targets).squeeze(-1).masked_fill(outside, 0.0)
