@@ -237,8 +237,7 @@ def sampling_hooks(model, multiple, gather):
 
 
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
-    """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place, on meta before to_empty and
-    init_weights."""
+    """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place (on meta, before to_empty)."""
     model.wte = VocabParallelEmbedding(model.wte, group)
     model.lm_head.weight = model.wte.weight  # tied: the LM head is column-parallel over the same vocabulary rows
     for block in model.blocks:
