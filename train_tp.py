@@ -46,7 +46,7 @@ def _all_gather(x, group, dim):
 
 def _reduce_scatter(x, group, dim):
     whole = x.movedim(dim, 0).contiguous()
-    out = whole.new_empty(len(whole) // dist.get_world_size(group), *whole.shape[1:])  # rank i keeps chunk i
+    out = torch.empty_like(whole.chunk(dist.get_world_size(group))[0])  # rank i's part: the i-th chunk
     reduce_scatter_single(out, whole, group=group)
     return out.movedim(0, dim)
 
@@ -187,23 +187,26 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 class RNGFork:
     """Megatron-LM's RNG fork: dropout on a rank's own heads (or sequence shard) must differ across ranks, dropout on
-    what every rank holds alike must agree. `enter`, a hook where the region starts, forks the default generators
-    and reseeds them with a seed drawn from them (alike on every rank) plus the rank; `leave` restores them. A
-    resumed run or a recomputed block restores their state, so it replays each mask."""
+    what every rank holds alike must agree. `enter`, a hook where the region starts, draws a seed from the default
+    generators (alike on every rank) and reseeds them with it plus the rank; `leave`, where it ends, restores them.
+    The seed is drawn from their state, so a resumed run or a recomputed block, which restore it, replays each mask."""
 
     def __init__(self, rank):
         self.rank = rank
-        self.fork = None  # torch.random.fork_rng while the region runs
+        self.outside = None  # the default generators' state (CPU, this GPU's or None) while the region runs
 
     def enter(self, module, args):
         seed = int(torch.randint(2**62, ()))  # advances the default generator: the next region draws another
         device = args[0].device
-        self.fork = torch.random.fork_rng([device] if device.type == "cuda" else [])
-        self.fork.__enter__()
+        self.outside = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
         torch.manual_seed(seed + self.rank)
 
     def leave(self, module, args, *output):
-        self.fork.__exit__(None, None, None)
+        # By hand, not torch.random.fork_rng: a recompute that stops early (non-reentrant checkpoint) skips the last
+        # leave, and an abandoned fork_rng restores its stale state whenever it is collected.
+        torch.set_rng_state(self.outside[0])
+        if self.outside[1] is not None:
+            torch.cuda.set_rng_state(self.outside[1], args[0].device)
 
 
 # What parallelize() splits in each block, by gpt.py's names: column-parallel linears by output rows (weight and
@@ -281,7 +284,7 @@ def allreduce_replicated_grads(parts, group):
     if grads:
         flat = torch.cat(grads)
         dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(grads, flat.split([grad.numel() for grad in grads]))
+        torch._foreach_copy_(grads, flat.split([len(grad) for grad in grads]))
 
 
 def clip_grad_norm_(parts, max_norm, tp_group):
