@@ -39,7 +39,7 @@ def _all_reduce(x, group, dim):
 
 def _all_gather(x, group, dim):
     shard = x.movedim(dim, 0).contiguous()  # a view of a tensor stored dim-first; any other layout is copied
-    out = shard.new_empty(dist.get_world_size(group) * shard.shape[0], *shard.shape[1:])
+    out = shard.new_empty(dist.get_world_size(group) * len(shard), *shard.shape[1:])
     all_gather_single(out, shard, group=group)
     return out.movedim(0, dim)
 
@@ -139,26 +139,19 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, stop) of the padded vocabulary: other ids look up zeros, and g sums the ranks' rows (under
-    sequence parallelism it reduce-scatters them: the residual stream starts sharded)."""
+    """Rows [start, stop) of the padded vocabulary: other ids look up zeros. g, in a hook, sums the ranks' rows
+    (under sequence parallelism it reduce-scatters them: the residual stream starts sharded)."""
 
-    def __init__(self, embedding, group, sequence_parallel):
+    def __init__(self, embedding, group):
         super().__init__()
-        self.group = group
-        self.sequence_parallel = sequence_parallel
         self.weight, weight_box = _shard(embedding.weight, group, 0)
         self.boxes = {"weight": weight_box}
         self.start, self.stop = weight_box[1][0]
 
     def forward(self, idx):
-        if self.sequence_parallel:
-            idx = idx.t()  # looked up sequence-first (see the mappings)
         outside = (idx < self.start) | (idx >= self.stop)
         out = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0)
-        if self.sequence_parallel:
-            out = out.transpose(0, 1)
-        return g(out, self.group, self.sequence_parallel)
+        return out.masked_fill(outside.unsqueeze(-1), 0)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -169,12 +162,11 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, group, vocab_size):
         vocab = logits.shape[-1]
         start = dist.get_rank(group) * vocab
-        logits = logits.float()
-        if start + vocab > vocab_size:  # this slice holds padding classes: no tokens, no probability, no gradient
-            logits = logits.masked_fill(torch.arange(vocab, device=logits.device) >= vocab_size - start, -float("inf"))
+        padding = torch.arange(start, start + vocab, device=logits.device) >= vocab_size  # classes that are no tokens
+        logits = logits.float().masked_fill(padding, -float("inf"))  # a copy: no probability, no gradient
         logits_max = logits.amax(-1, keepdim=True)
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        logits = logits - logits_max  # every exponent <= 0: no overflow at any logit size
+        logits -= logits_max  # every exponent <= 0: no overflow at any logit size
         outside = (targets < start) | (targets >= start + vocab)
         local_targets = (targets - start).masked_fill(outside, 0).unsqueeze(-1)
         target_logits = logits.gather(-1, local_targets).squeeze(-1).masked_fill(outside, 0.0)
@@ -210,6 +202,8 @@ class RNGFork:
         torch.manual_seed(seed + self.rank)
 
     def leave(self, module, args, *output):
+        # By hand, not torch.random.fork_rng: a recompute that stops early (non-reentrant checkpoint) skips the last
+        # leave, and an abandoned fork_rng restores its stale state whenever it is collected.
         torch.set_rng_state(self.outside[0])
         if self.outside[1] is not None:
             torch.cuda.set_rng_state(self.outside[1], args[0].device)
@@ -229,24 +223,25 @@ def is_sliced(name):
 
 def sampling_hooks(model, multiple, gather):
     """generate() calls model(idx) without targets, at any length, and wants whole logits (here and in
-    torch_reference.py). Pad the prompt to a `multiple` of the sequence shards (causal: padding never reaches
-    earlier positions), gather the logits, drop the padding."""
-    lengths = []
+    torch_reference.py). Pad idx to a `multiple` of the sequence shards (causal: padding never reaches earlier
+    positions; a training batch needs none), gather the logits, drop the padding."""
 
-    def pad(module, args, kwargs):
-        if len(args) == 1 and kwargs.get("targets") is None:
-            lengths.append(args[0].shape[1])
-            return (F.pad(args[0], (0, -lengths[-1] % multiple)),), kwargs
+    def pad(module, args):
+        module.sequence_length = args[0].shape[1]
+        return (F.pad(args[0], (0, -module.sequence_length % multiple)), *args[1:])
 
-    model.register_forward_pre_hook(pad, with_kwargs=True)
-    model.register_forward_hook(lambda module, args, out: gather(out)[:, :lengths.pop()] if out.dim() == 3 else None)
+    def unpad(module, args, out):
+        if out.dim() == 3:  # logits, not a loss
+            return gather(out)[:, :module.sequence_length]
+
+    model.register_forward_pre_hook(pad)
+    model.register_forward_hook(unpad)
     return model
 
 
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
-    """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place, on meta before to_empty and
-    init_weights."""
-    model.wte = VocabParallelEmbedding(model.wte, group, sequence_parallel)
+    """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place (on meta, before to_empty)."""
+    model.wte = VocabParallelEmbedding(model.wte, group)
     model.lm_head.weight = model.wte.weight  # tied: the LM head is column-parallel over the same vocabulary rows
     for block in model.blocks:
         for name in COLUMN_PARALLEL:
@@ -260,12 +255,13 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
             module.proj.register_forward_pre_hook(rng.leave)
         if isinstance(module, (gpt.CausalSelfAttention, gpt.MLP)):  # f once per region: q, k and v share one
             module.register_forward_pre_hook(lambda module, args: f(args[0], group, sequence_parallel))
-        if isinstance(module, nn.LayerNorm) and sequence_parallel:  # on the [T, B, C] in memory: batch-first copies
-            module.register_forward_pre_hook(lambda module, args: args[0].transpose(0, 1))
+        if isinstance(module, (VocabParallelEmbedding, nn.LayerNorm)) and sequence_parallel:  # [T, B, ...] as
+            module.register_forward_pre_hook(lambda module, args: args[0].transpose(0, 1))  # stored: no copies
             module.register_forward_hook(lambda module, args, out: out.transpose(0, 1))
         if isinstance(module, nn.Dropout) and sequence_parallel and model.config.dropout:  # this rank's shard
             module.register_forward_pre_hook(rng.enter)
             module.register_forward_hook(rng.leave)
+    model.wte.register_forward_hook(lambda module, args, out: g(out, group, sequence_parallel))
     if sequence_parallel:  # the token embeddings come out as this rank's sequence shard: so must the positions
         model.wpe.register_forward_pre_hook(lambda module, args: _split(args[0], group, 0))
     # The LM head's region: f, then batch-first as the loss flattens it (a [B, T, C] copy, not [B, T, V / tp])
@@ -276,9 +272,8 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
         model.loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(
             logits, targets, group, model.config.vocab_size).mean()
     else:  # Megatron's parallel_output=False: every rank gathers the whole [tokens, vocab] logits
-        model.lm_head.register_forward_hook(lambda module, args, logits: gather(logits))
-    tp = dist.get_world_size(group)
-    return sampling_hooks(model, tp if sequence_parallel else 1, gather if loss_parallel else nn.Identity())
+        model.loss_fn = lambda logits, targets: gpt.cross_entropy(gather(logits), targets, model.config.vocab_size)
+    return sampling_hooks(model, dist.get_world_size(group) if sequence_parallel else 1, gather)
 
 
 def allreduce_replicated_grads(parts, group):
@@ -289,21 +284,19 @@ def allreduce_replicated_grads(parts, group):
     if grads:
         flat = torch.cat(grads)
         dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(grads, flat.split([grad.numel() for grad in grads]))
+        torch._foreach_copy_(grads, flat.split([len(grad) for grad in grads]))
 
 
 def clip_grad_norm_(parts, max_norm, tp_group):
     """The full model's gradient norm, each element counted once: slices on their own rank, replicated parameters
     on TP rank 0 only (in train_2d.py each part is also an FSDP shard, disjoint across data-parallel ranks)."""
     first = dist.get_rank(tp_group) == 0
-    total = torch.zeros((), device=parts[0].tensor.device)
-    for part in parts:
-        if part.sliced or first:
-            total += part.local(part.tensor.grad).float().pow(2).sum()
+    squares = [part.local(part.tensor.grad).float().pow(2).sum() for part in parts if part.sliced or first]
+    total = sum(squares, torch.zeros((), device=parts[0].tensor.device))
     dist.all_reduce(total)  # over every rank: in train_2d.py the data-parallel shards are disjoint too
     norm = total.sqrt()
-    grads = list({id(part.tensor): part.tensor.grad for part in parts}.values())  # an FSDP shard holds many parts
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # clip_grad_norm_'s coefficient
+    tensors = list(dict.fromkeys(part.tensor for part in parts))  # each once: an FSDP shard holds many parts
+    torch.nn.utils.clip_grads_with_norm_(tensors, max_norm, norm)
     return norm
 
 
@@ -317,11 +310,10 @@ def main(argv=None):
 
     # ---- process groups: every rank is one tensor-parallel rank; they all read the same rows
     rank, local_rank, world_size = training.launched_rank(args)
-    tp = args.tp or world_size
     dp_rank, dp_size = 0, 1
-    if tp != world_size:
-        raise training.UsageError(f"--tp {tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so --tp "
-                                  "must be the world size; use train_2d.py to combine it with data parallelism")
+    if args.tp not in (None, world_size):
+        raise training.UsageError(f"--tp {args.tp} with {world_size} ranks: train_tp.py is tensor-parallel only, so "
+                                  "--tp must be the world size; use train_2d.py to combine it with data parallelism")
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
         import plan
         return plan.print_plan(args, world_size, dp_size, sliced=is_sliced)
@@ -329,7 +321,7 @@ def main(argv=None):
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
-    training.check_tensor_parallel(config, tp, args.sequence_parallel)
+    training.check_tensor_parallel(config, world_size, args.sequence_parallel)
     checkpoint_path = checkpoint.to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
     torch.manual_seed(args.seed + dp_rank)  # dropout outside the tensor-parallel region: the same on every tp rank
@@ -360,9 +352,8 @@ def main(argv=None):
 
     start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
-    modes = ", ".join([args.impl] + ["sequence parallel"] * args.sequence_parallel
-                      + ["loss parallel"] * (not args.no_loss_parallel))
-    logger.start(train_data, dp_size, start_step, layout=f"tensor parallel {tp} ({modes}) | ")
+    modes = f"--impl {args.impl}, sequence_parallel={args.sequence_parallel}, loss_parallel={not args.no_loss_parallel}"
+    logger.start(train_data, dp_size, start_step, layout=f"tensor parallel {world_size} ({modes}) | ")
 
     # ---- loop
     stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
