@@ -7,8 +7,7 @@ Text -> train.bin / val.bin (uint16 token ids, one flat stream each) + meta.json
     python prepare_data.py --dataset fineweb-edu
     python prepare_data.py --input my_texts/ --tokenizer byte
 
-The training scripts read the files through np.memmap, so a corpus larger than memory trains fine.
-meta.json is written last: its presence means the folder is complete.
+The training scripts memory-map the files (any size trains); meta.json, written last, marks a complete folder.
 """
 
 import argparse
@@ -104,9 +103,8 @@ class GPT2Tokenizer:
             self.encoding = tiktoken.get_encoding("gpt2")
         except Exception as error:
             raise SystemExit(f"could not load tiktoken's gpt2 BPE files ({type(error).__name__}): they are downloaded "
-                             "on first use. Use --tokenizer byte, or set TIKTOKEN_CACHE_DIR to a folder that holds "
-                             "them; offline, `python prepare_data.py` (the embedded default corpus) and "
-                             "`python prepare_data.py --input PATH --tokenizer byte` need no download")
+                             "on first use. Set TIKTOKEN_CACHE_DIR to a folder that holds them, or use --tokenizer "
+                             "byte: `python prepare_data.py` and `--input PATH --tokenizer byte` need no download")
         self.eot = self.encoding.eot_token
 
     def encode(self, text):
@@ -150,12 +148,6 @@ def write_meta(out_dir, tokenizer, counts, source):
     return meta
 
 
-def write_arrays(out_dir, tokenizer, splits, source):
-    """splits: {"train": [uint16 arrays], "val": [...]}, small enough to hold in memory."""
-    counts = {split: write_split(out_dir, split, arrays) for split, arrays in splits.items()}
-    return write_meta(out_dir, tokenizer, counts, source)
-
-
 def prepare_default(out_dir):
     """The embedded default: every .py file of the standard library of the Python running this (~30 MB),
     bytes as tokens. Every 50th file (in sorted order) is held out for validation."""
@@ -167,7 +159,8 @@ def prepare_default(out_dir):
         with open(path, "rb") as f:
             data = f.read() + b"\n\n"
         splits["val" if i % 50 == 0 else "train"].append(np.frombuffer(data, dtype=np.uint8).astype(np.uint16))
-    meta = write_arrays(out_dir, ByteTokenizer(), splits, f"python {sys.version.split()[0]} standard library sources")
+    counts = {split: write_split(out_dir, split, arrays) for split, arrays in splits.items()}
+    meta = write_meta(out_dir, ByteTokenizer(), counts, f"python {sys.version.split()[0]} standard library sources")
     print(f"default corpus: {len(paths)} files from {root} -> {out_dir} "
           f"({meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens)")
     return meta
@@ -183,8 +176,7 @@ def load_meta(data_dir):
 
 
 def ensure_data(data_dir, is_writer, wait_s=600):
-    """Make sure data_dir holds prepared tokens. The default corpus is built on first use by one process per
-    machine (is_writer); the others wait for its meta.json, which is written last, so no collective is needed."""
+    """data_dir's meta. The default corpus is built on first use by one process a machine (is_writer); others wait."""
     if os.path.exists(os.path.join(data_dir, "meta.json")) or data_dir != DEFAULT_DATA_DIR:
         return load_meta(data_dir)  # raises with a message naming the fix
     if is_writer:

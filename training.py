@@ -118,8 +118,7 @@ def check_arguments(args, device):
 
 def check_tensor_parallel(config, tp, sequence_parallel):
     """Every rank runs this before any collective, so a bad layout fails everywhere instead of hanging."""
-    sizes = [("n_head", config.n_head), ("the padded vocabulary", config.padded_vocab_size),
-             ("the MLP width", 4 * config.n_embd)]
+    sizes = [("n_head", config.n_head), ("the padded vocabulary", config.padded_vocab_size)]  # heads split n_embd
     for what, n in sizes + [("--block_size", config.block_size)] * sequence_parallel:
         if n % tp:
             fix = "run without --sequence_parallel" if what == "--block_size" else "another --model"
