@@ -3598,14 +3598,13 @@ def test_what_a_reader_must_read_is_small():
         dragged_lines = sum(len(open(os.path.join(HERE, f"{m}.py")).read().splitlines()) for m in dragged)
         print(f"{script}: reaches {sum(l for l, _ in reach.values())} lines, {sum(t for _, t in reach.values())} "
               f"tokens; {outside} lines outside train_*.py; copying drags {dragged_lines} lines ({dragged})")
-        # Issue #22's targets are 8,200 tokens, 800 lines and 1,350 lines. With #23's reliability (divergence,
-        # preemption, failed writes, Ctrl-C, the exit past gloo's teardown) the project is above them: these bounds,
-        # today's figures, keep it from growing while it is cut down.
+        # Issue #22's targets: 8,200 tokens, 800 lines, 1,350 lines. train_tp.py and train_2d.py also reach
+        # training.check_tensor_parallel (8 lines), which the planner shares from below the scripts: 807 and 803.
         if script == "train_single":
-            assert sum(tokens for _, tokens in reach.values()) <= 8650, reach
+            assert sum(tokens for _, tokens in reach.values()) <= 8200, reach
         else:
-            assert outside <= 930, reach
-        assert dragged_lines <= 1410, dragged
+            assert outside <= (808 if script in ("train_tp", "train_2d") else 800), reach
+        assert dragged_lines <= 1350, dragged
     for script in ["train_ddp", "train_fsdp", "train_tp"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
