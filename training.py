@@ -46,7 +46,7 @@ def get_parser(description, strategy="single"):
     p.set_defaults(strategy=strategy)
     add = p.add_argument_group("model and data").add_argument
     add("--model", choices=list(gpt.PRESETS), help="gpt.py's preset (default: tiny, or --init_from's)")
-    add("--init_from", help="GPT-2's weights to start from: gpt2 ... gpt2-xl, or a folder of Hugging Face safetensors")
+    add("--init_from", help="GPT-2's weights: gpt2 ... gpt2-xl, or a folder with config.json, model.safetensors")
     add("--data", default=DEFAULT_DATA_DIR, help="prepare_data.py's folder (default: the embedded corpus, made once)")
     add("--block_size", type=positive_int, default=128, help="context length, in tokens")
     add("--dropout", type=probability, default=0.0, help="dropout probability")
