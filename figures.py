@@ -221,7 +221,7 @@ def layout_worker(out_path):
     rank = dist.get_rank()
     pair = dist.new_group([0, 1])
     tp_group, dp_group = train_2d.new_groups(2, 2)
-    zeros = lambda name, param, flat: torch.zeros(flat[1] - flat[0])  # noqa: E731  (values do not matter here)
+    zeros = lambda name, shape, box, flat: torch.zeros(flat[1] - flat[0])  # noqa: E731  (values do not matter here)
     parts = {}
     for strategy in LAYOUTS:
         if LAYOUTS[strategy] <= rank:

@@ -1694,7 +1694,7 @@ def _build(config, seed=5, init_from=None):
     value = training.initial_values(config, seed, init_from)
     with RecordOutputs() as allocations:
         fsdp = train_fsdp.FullyShardedDataParallel(
-            model, initial_value=lambda name, param, flat: value(name, param.shape, flat=flat))
+            model, initial_value=value)
     return model, fsdp, max(t.numel() for _, t in allocations.outputs if t.device.type != "meta")
 
 
@@ -1796,13 +1796,9 @@ def _samples_on_every_rank(script):
         tp_group, dp_group = train_2d.new_groups(2, 2)
         train_tp.parallelize(model, tp_group)
         tp_parts = {part.name: part for part in checkpoint.parameter_parts(model)}
-
-        def initial_value(name, param, flat):  # this rank's FSDP shard of its tensor-parallel slice
-            return value(name, tp_parts[name].shape, tp_parts[name].box, flat)
     else:
         dp_group, tp_parts = None, None
-        initial_value = lambda name, param, flat: value(name, param.shape, flat=flat)  # noqa: E731
-    wrapped = train_fsdp.FullyShardedDataParallel(model, process_group=dp_group, initial_value=initial_value,
+    wrapped = train_fsdp.FullyShardedDataParallel(model, process_group=dp_group, initial_value=value,
                                                  tp_boxes=tp_parts and {name: (part.shape, part.box) for name, part in tp_parts.items()})
     tokens = gpt.generate(wrapped, torch.tensor([[10, 20, 30]]), 12, 16, 256, seed=1)
     return tokens.numpy(), wrapped.training
@@ -2545,7 +2541,7 @@ def _fully_sharded_tensor_parallel_model(config, value):
     tp_parts = {part.name: part for part in checkpoint.parameter_parts(model)}
     return train_fsdp.FullyShardedDataParallel(
         model, process_group=dp_group, tp_boxes={name: (part.shape, part.box) for name, part in tp_parts.items()},
-        initial_value=lambda name, param, flat: value(name, tp_parts[name].shape, tp_parts[name].box, flat))
+        initial_value=value)
 
 
 def _load_and_run(layout, folder, idx):

@@ -89,7 +89,7 @@ def main(argv=None):
         model = train_fsdp.FullyShardedDataParallel(
             model, process_group=dp_group, device=device, compute_dtype=getattr(torch, args.dtype),
             reshard_after_forward=not args.no_reshard, tp_boxes={name: (p.shape, p.box) for name, p in tp_parts.items()},
-            initial_value=lambda name, param, flat: value(name, tp_parts[name].shape, tp_parts[name].box, flat))
+            initial_value=value)
         groups, parts = model.parameter_groups(), [checkpoint.Part(*where) for where in model.parts()]
         clip_grad_norm = lambda limit: train_tp.clip_grad_norm_(parts, limit, tp_group)  # noqa: E731
     optimizer = training.make_optimizer(groups, args, device)

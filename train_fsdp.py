@@ -51,8 +51,8 @@ class FlatParameter:
                 module._parameters[attribute] = self.locals[-1]
             if start < stop:  # deferred init: one piece of one parameter at a time, never a whole buffer
                 piece = (start - offset, stop - offset)
-                self.shard.detach()[start:stop] = initial_value(name, param, piece)  # the padding stays zero
                 shape, box = wrapper.tp_boxes.get(name, (param.shape, [(0, n) for n in param.shape]))
+                self.shard.detach()[start:stop] = initial_value(name, shape, box, piece)  # the padding stays zero
                 self.parts.append((name, shape, box, piece, self.shard, start))
             offset += param.numel()
         self.full = None
@@ -122,20 +122,20 @@ def flat_parameter_groups(module, units=None):
     return groups
 
 
-def current_value(name, param, flat):
-    if param.is_meta:
+def current_value(params, name, shape, box, flat):  # a module not on meta: the values its parameter has
+    if params[name].is_meta:
         raise ValueError(f"parameter {name} is on meta: pass initial_value to say what it starts as")
-    return param.detach().reshape(-1)[flat[0]:flat[1]]
+    return params[name].detach().reshape(-1)[flat[0]:flat[1]]
 
 
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 on any nn.Module. The root and each of `units` (default: its `blocks`, listed in the order their forwards
     run: each prefetches the next) are gathered one at a time to compute in `compute_dtype`; shards, AdamW and gradient
-    reduction stay float32. initial_value(name, parameter, flat) gives a parameter's elements [flat[0], flat[1]) (needed
-    on meta). tp_boxes {name: (full shape, box)} places train_2d.py's tensor-parallel slices in the checkpoints."""
+    reduction stay float32. initial_value(name, shape, box, flat), as training.initial_values, gives elements [flat[0],
+    flat[1]) of full[box] (needed on meta). tp_boxes {name: (full shape, box)}: train_2d.py's tensor-parallel slices."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
-                 reshard_after_forward=True, initial_value=current_value, tp_boxes=None):
+                 reshard_after_forward=True, initial_value=None, tp_boxes=None):
         super().__init__()
         self.module = module
         self.group = process_group or dist.group.WORLD
@@ -143,6 +143,7 @@ class FullyShardedDataParallel(nn.Module):
         self.reshard_after_forward = reshard_after_forward
         self.tp_boxes = tp_boxes or {}
         self.gathered = {}  # storage address of a gathered buffer -> its FlatParameter, for the saved-tensor hooks
+        initial_value = initial_value or partial(current_value, dict(module.named_parameters()))
         self.units = [[FlatParameter(entries, self, device, initial_value) for entries in unit.values()]
                       for unit in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
@@ -277,8 +278,7 @@ def main(argv=None):
         parts = None  # its checkpoints gather each tensor whole
     else:
         model = FullyShardedDataParallel(model, device=device, compute_dtype=getattr(torch, args.dtype),
-                                         reshard_after_forward=not args.no_reshard,  # by name: on meta or not
-                                         initial_value=lambda name, param, flat: value(name, param.shape, flat=flat))
+                                         reshard_after_forward=not args.no_reshard, initial_value=value)
         groups = model.parameter_groups()
         clip_grad_norm = model.clip_grad_norm_
         parts = [checkpoint.Part(*where) for where in model.parts()]
