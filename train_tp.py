@@ -224,11 +224,12 @@ def is_sliced(name):
 def sampling_hooks(model, multiple, gather):
     """generate() calls model(idx) without targets, at any length, and wants whole logits (here and in
     torch_reference.py). Pad idx to a `multiple` of the sequence shards (causal: padding never reaches earlier
-    positions; a training batch needs none), gather the logits, drop the padding."""
+    positions), gather the logits, drop the padding."""
 
     def pad(module, args):
         module.sequence_length = args[0].shape[1]
-        return (F.pad(args[0], (0, -module.sequence_length % multiple)), *args[1:])
+        if module.sequence_length % multiple:  # a prompt, not a training batch: no copy of idx every step
+            return (F.pad(args[0], (0, -module.sequence_length % multiple)), *args[1:])
 
     def unpad(module, args, out):
         if out.dim() == 3:  # logits, not a loss
