@@ -1,7 +1,8 @@
 """
 PyTorch's own versions of every strategy, behind each script's `--impl torch`: the yardstick our hand-written
 code is tested and benchmarked against. DistributedDataParallel (train_ddp.py), FSDP2's fully_shard
-(train_fsdp.py), DTensor's parallelize_module with loss parallelism (train_tp.py), and both on a 2-D DeviceMesh
+(train_fsdp.py, on a 2-D mesh for HSDP), DistributedDataParallel with ZeroRedundancyOptimizer (train_zero.py),
+DTensor's parallelize_module with loss parallelism (train_tp.py), and both on a 2-D DeviceMesh
 (train_2d.py). Each function takes the gpt.GPT a script built on meta (DDP: materialised) and returns it ready to
 train with the same initial weights, so the scripts' loops run unchanged.
 """
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
@@ -27,6 +29,31 @@ import training
 def data_parallel(model, device, bucket_mb):
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                    bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+
+
+class ZeroRedundancyDataParallel(DistributedDataParallel):
+    """DistributedDataParallel with the two methods train_zero.py's loop calls on ours."""
+
+    def clip_grad_norm_(self, max_norm):
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)  # every rank holds the whole gradient
+
+    def gather_parameters(self):
+        """Nothing: ZeroRedundancyOptimizer.step() broadcast each rank's updated parameters already."""
+
+
+def zero_redundancy(model, device, args):
+    """train_zero.py --impl torch (stage 1): (DistributedDataParallel, ZeroRedundancyOptimizer over AdamW, the
+    checkpoint parts this rank writes). PyTorch assigns whole parameters to ranks (greedily, largest first) and
+    broadcasts them after its step; each rank writes the parameters it steps, with their moments."""
+    ddp_model = ZeroRedundancyDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                           bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+    decay, no_decay = training.decay_groups(model.parameters())
+    optimizer = ZeroRedundancyOptimizer([{"params": decay, "weight_decay": args.weight_decay},
+                                         {"params": no_decay, "weight_decay": 0.0}], torch.optim.AdamW,
+                                        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)  # make_optimizer's
+    optimizer.state = optimizer.optim.state  # this rank's moments, where checkpoint.pieces looks for them
+    stepped = {param for group in optimizer.optim.param_groups for param in group["params"]}
+    return ddp_model, optimizer, [part for part in checkpoint.parameter_parts(model) if part.tensor in stepped]
 
 
 @torch.no_grad()
@@ -50,8 +77,10 @@ def shard_units(model, mesh, args):
 
 
 def fully_shard_model(model, config, args, device):
-    """train_fsdp.py --impl torch: (model, optimizer groups, clip function)."""
-    shard_units(model, None, args)
+    """train_fsdp.py --impl torch: (model, optimizer groups, clip function). --replicate: HSDP on a 2-D mesh."""
+    mesh = None if args.replicate == 1 else init_device_mesh(
+        device.type, (args.replicate, dist.get_world_size() // args.replicate), mesh_dim_names=("replicate", "shard"))
+    shard_units(model, mesh, args)
     if not args.no_deferred_init:
         materialise(model, config, args, device)
     return model, training.decay_groups(model.parameters()), partial(clip_grad_norm_, list(model.parameters()))

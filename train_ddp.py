@@ -27,11 +27,12 @@ import training
 class Bucket:
     """Parameters whose gradients live in one flat buffer and travel in one all-reduce."""
 
-    def __init__(self, named_params):
+    def __init__(self, named_params, padded_to=1):
         self.names, self.params = [name for name, _ in named_params], [p for _, p in named_params]
-        self.buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=self.params[0].dtype,
-                                  device=self.params[0].device)
-        pieces = self.buffer.split([p.numel() for p in self.params])
+        sizes = [p.numel() for p in self.params]
+        padded = -(-sum(sizes) // padded_to) * padded_to  # train_zero.py cuts a bucket into padded_to equal slices
+        self.buffer = torch.zeros(padded, dtype=self.params[0].dtype, device=self.params[0].device)
+        pieces = self.buffer.split(sizes + [padded - sum(sizes)])
         self.grads = [piece.view_as(p) for piece, p in zip(pieces, self.params)]
         self.ready = set()  # parameters whose gradient this backward has finished accumulating
         self.work = None  # the all-reduce in flight
@@ -71,7 +72,7 @@ class DataParallel(nn.Module):
     set_to_none drops the views, and each gradient then costs a copy back into its bucket.
     """
 
-    def __init__(self, module, bucket_mb=25, process_group=None):
+    def __init__(self, module, bucket_mb=25, process_group=None, padded_to=1):
         super().__init__()
         self.module = module
         self.process_group = process_group or dist.group.WORLD
@@ -80,7 +81,7 @@ class DataParallel(nn.Module):
                 dist.broadcast(tensor, dist.get_global_rank(self.process_group, 0), group=self.process_group)
         # named_parameters() lists a shared (tied) parameter once, so it is reduced once; frozen ones are left alone.
         trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        self.buckets = [Bucket(named_params) for named_params in assign_buckets(trainable, bucket_mb)]
+        self.buckets = [Bucket(named_params, padded_to) for named_params in assign_buckets(trainable, bucket_mb)]
         for bucket in self.buckets:
             for param, grad in zip(bucket.params, bucket.grads):
                 param.grad = grad
@@ -113,9 +114,12 @@ class DataParallel(nn.Module):
             self.callback_queued = True
         bucket.ready.add(param)
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].is_full():
-            launch = self.buckets[self.next_bucket]
-            launch.work = dist.all_reduce(launch.buffer, op=dist.ReduceOp.AVG, group=self.process_group, async_op=True)
+            self.reduce(self.buckets[self.next_bucket])
             self.next_bucket += 1
+
+    def reduce(self, bucket):
+        """Start averaging the bucket's gradient over the ranks (train_zero.py's ZeRO-2 reduce-scatters it instead)."""
+        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.process_group, async_op=True)
 
     def _finish_backward(self):
         """Runs once backward has finished: waiting here, not in a hook, leaves backward free to run ahead."""
@@ -129,8 +133,11 @@ class DataParallel(nn.Module):
                                "all-reduce cannot start and every rank would wait for it; use them in forward, or "
                                "set requires_grad=False on them before wrapping the module")
         for bucket in self.buckets:
-            bucket.work.wait()
-            bucket.work = None
+            self.finish(bucket)
+
+    def finish(self, bucket):
+        bucket.work.wait()
+        bucket.work = None
 
 
 def main(argv=None):

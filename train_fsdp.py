@@ -6,6 +6,7 @@ Reads top to bottom: arguments -> process groups -> model -> strategy -> loop ->
     torchrun --standalone --nproc_per_node=2 train_fsdp.py
     torchrun --nproc_per_node=8 train_fsdp.py --model gpt2-xl --data data/openwebtext --block_size 1024 --dtype bfloat16
     torchrun --standalone --nproc_per_node=2 train_fsdp.py --impl torch     # PyTorch's FSDP2 fully_shard, the yardstick
+    torchrun --standalone --nproc_per_node=4 train_fsdp.py --replicate 2    # HSDP: 2 copies of 2 shards
 """
 
 import time
@@ -132,13 +133,16 @@ class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 on any nn.Module. The root and each of `units` (default: its `blocks`, listed in the order their forwards
     run: each prefetches the next) are gathered one at a time to compute in `compute_dtype`; shards, AdamW and gradient
     reduction stay float32. initial_value(name, shape, box, flat), as training.initial_values, gives elements [flat[0],
-    flat[1]) of full[box] (needed on meta). tp_boxes {name: (full shape, box)}: train_2d.py's tensor-parallel slices."""
+    flat[1]) of full[box] (needed on meta). tp_boxes {name: (full shape, box)}: train_2d.py's tensor-parallel slices.
+    replicate_group (HSDP): the ranks holding the same shards as this one, in the other copies of process_group; each
+    reduce-scattered gradient shard is then averaged over them."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
-                 reshard_after_forward=True, initial_value=None, tp_boxes=None):
+                 reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None):
         super().__init__()
         self.module = module
         self.group = process_group or dist.group.WORLD
+        self.replicate_group = replicate_group
         self.compute_dtype = compute_dtype
         self.reshard_after_forward = reshard_after_forward
         self.tp_boxes = tp_boxes or {}
@@ -218,6 +222,8 @@ class FullyShardedDataParallel(nn.Module):
         if self.in_flight is not None:
             flat, piece, _, work = self.in_flight
             work.wait()
+            if self.replicate_group is not None:  # HSDP: averaged over the shard group, now over its copies too
+                dist.all_reduce(piece, op=dist.ReduceOp.AVG, group=self.replicate_group)
             flat.shard.grad = piece if flat.shard.grad is None else flat.shard.grad.add_(piece)  # micro-steps add up
             for local, span in zip(flat.locals, flat.spans):
                 local.grad = flat.shard.grad[span]
@@ -229,7 +235,8 @@ class FullyShardedDataParallel(nn.Module):
         return [f.shard for f in trained if f.decay], [f.shard for f in trained if not f.decay]
 
     def clip_grad_norm_(self, max_norm):
-        """The whole model's gradient norm: the shards are disjoint parts of it (padding's gradient is zero)."""
+        """The whole model's gradient norm: the shards are disjoint parts of it (padding's gradient is zero; HSDP's
+        copies of the shard group hold the same)."""
         total = sum(shard.grad.pow(2).sum() for shard in self.shards if shard.grad is not None)
         dist.all_reduce(total, group=self.group)  # one number: the squared norm of the whole model
         norm = total.sqrt()
@@ -240,17 +247,33 @@ class FullyShardedDataParallel(nn.Module):
         return [part for flat in self.flats for part in flat.parts]
 
 
+def hybrid_groups(replicate):
+    """HSDP's groups of this rank: (its shard group, world / replicate consecutive ranks, a node; its replicate group,
+    the ranks at its place in every shard group). dist.new_group is collective: every rank creates every group."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = world // replicate
+    shard_groups = [dist.new_group(list(range(r * shards, (r + 1) * shards))) for r in range(replicate)]
+    replicate_groups = [dist.new_group(list(range(s, world, shards))) for s in range(shards)]
+    return shard_groups[rank // shards], replicate_groups[rank % shards]
+
+
 def main(argv=None):
     parser = training.get_parser(__doc__, "fsdp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
     parser.add_argument("--no_deferred_init", action="store_true",
                         help="build the whole model first (default: on meta; each rank initialises only its shards)")
+    parser.add_argument("--replicate", type=training.positive_int, default=1,
+                        help="HSDP: shard over world / R consecutive ranks (a node), replicate over the R groups")
     args = parser.parse_args(argv)
 
-    # ---- process groups: every rank is one data-parallel rank holding 1/world of the model
+    # ---- process groups: every rank is one data-parallel rank holding 1/world of the model (HSDP: 1/shards)
     rank, local_rank, world_size = training.launched_rank(args)
     dp_rank, dp_size = rank, world_size
+    if world_size % args.replicate:
+        raise training.UsageError(f"--replicate {args.replicate} does not divide the {world_size} ranks into shard "
+                                  f"groups of equal size: choose a divisor of {world_size}")
+    shards = world_size // args.replicate
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
         import plan
         return plan.print_plan(args, world_size, dp_size, units=flat_parameter_groups)
@@ -260,6 +283,7 @@ def main(argv=None):
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
     checkpoint_path = checkpoint.to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, __file__, device)
+    shard_group, replicate_group = hybrid_groups(args.replicate) if args.replicate > 1 else (None, None)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
     # ---- model: built on meta, left there for the strategy to materialise shard by shard (--no_deferred_init: whole)
@@ -277,8 +301,9 @@ def main(argv=None):
         model, groups, clip_grad_norm = torch_reference.fully_shard_model(model, config, args, device)
         parts = None  # its checkpoints gather each tensor whole
     else:
-        model = FullyShardedDataParallel(model, device=device, compute_dtype=getattr(torch, args.dtype),
-                                         reshard_after_forward=not args.no_reshard, initial_value=value)
+        model = FullyShardedDataParallel(model, process_group=shard_group, device=device,
+                                         compute_dtype=getattr(torch, args.dtype), reshard_after_forward=not
+                                         args.no_reshard, initial_value=value, replicate_group=replicate_group)
         groups = model.parameter_groups()
         clip_grad_norm = model.clip_grad_norm_
         parts = [checkpoint.Part(*where) for where in model.parts()]
@@ -288,7 +313,7 @@ def main(argv=None):
 
     start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
-    logger.start(train_data, dp_size, start_step)
+    logger.start(train_data, dp_size, start_step, layout=f"HSDP {args.replicate} x {shards} | " * (args.replicate > 1))
 
     # ---- loop
     stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
@@ -312,11 +337,11 @@ def main(argv=None):
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # each rank summed only its own rows
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
-        # ---- checkpoint: every rank writes the pieces its shards hold
+        # ---- checkpoint: every rank writes the pieces its shards hold (HSDP: the first shard group; the others copy it)
         stopping = stop_request.agreed(device)  # the same answer on every rank
         if checkpoint.due(step, args) or stopping:
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None
-                       else checkpoint.pieces(parts, optimizer))
+                       else checkpoint.pieces(parts if rank < shards else [], optimizer))
             checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
         if stopping:
             stop_request.stop(step + 1, args.out_dir)
