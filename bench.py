@@ -3,6 +3,7 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
 
     python bench.py                                  # every strategy whose script exists, tiny model, CPU
     python bench.py --strategies ddp,fsdp --steps 30 --rounds 3
+    python bench.py --strategies ddp,zero1,zero2,fsdp,hsdp   # the ZeRO ladder: each rank's model states and bytes
     python bench.py --model gpt2 --block_size 1024 --global_batch 32 --device cuda --dtype bfloat16 --compile
     python bench.py --strategies tp --model gpt2-medium --vocab_size 50257 --sequence_parallel   # GPT-2's vocabulary
     python bench.py --gpu_check --device cuda --json gpu.json   # a GPU machine's first check: runs gpu_check.py
@@ -17,7 +18,9 @@ step that is profiled: that step's collectives are read from torch.profiler (the
 DistributedDataParallel's C++ reducer and for DTensor's functional collectives) and turned into bytes sent per
 rank with the ring-algorithm factors, next to the formula each strategy should meet: plan.comm_formula() lists every
 collective of a step (what it moves, how many, the bytes), with the backend's own factors (gloo's reduce-scatter is an
-all-reduce). tp_sequence_parallel and tp_no_loss_parallel are train_tp.py's other two modes.
+all-reduce); so are each rank's model states (parameters, gradients, AdamW state), measured after an optimizer step
+beside plan.plan_memory's. zero1 and zero2 are train_zero.py's stages, hsdp train_fsdp.py --replicate 2 on 4 ranks;
+tp_sequence_parallel and tp_no_loss_parallel are train_tp.py's other two modes.
 On CPU, ranks get one thread each; so does the single-device baseline the scaling efficiency is measured against.
 """
 
@@ -70,6 +73,24 @@ def collective_kind(name):
     raise ValueError(f"profiler record {name!r} is a collective bench.py cannot classify: add it to collective_kind")
 
 
+def after_each_step(callback):
+    """callback(optimizer) after each outermost optimizer step (ZeroRedundancyOptimizer's step runs its own AdamW's
+    inside it): the hooks' handles."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    depth = [0]
+
+    def enter(optimizer, args, kwargs):
+        depth[0] += 1
+
+    def leave(optimizer, args, kwargs):
+        depth[0] -= 1
+        if depth[0] == 0:
+            callback(optimizer)
+
+    return register_optimizer_step_pre_hook(enter), register_optimizer_step_post_hook(leave)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # What one rank holds, measured: the memory planner's test (test_parallel.py) and the checkpointing table use it
 
@@ -82,7 +103,6 @@ def memory_held(measured):
     its own pack hook decides what is kept (gathered weights by reference, so they are not counted); the rank's
     parameters are never activations; a checkpointed block's inputs are (torch's checkpoint saves them)."""
     from torch.distributed.tensor import DTensor
-    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     saved, parameters = {}, set()
     # --impl torch's tensor parallelism: a DTensor has no storage of its own; its local tensor does.
@@ -119,7 +139,7 @@ def memory_held(measured):
         return sum({local(t).untyped_storage().data_ptr(): local(t).untyped_storage().nbytes()
                     for t in tensors}.values())
 
-    def after_step(optimizer, args, kwargs):
+    def after_step(optimizer):
         if "parameters" not in measured:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             measured.update(parameters=storage_bytes(params), gradients=storage_bytes([p.grad for p in params]),
@@ -127,11 +147,12 @@ def memory_held(measured):
                                           for t in state.values()))
 
     train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks = fsdp_pack, wrap_blocks
-    handle = register_optimizer_step_post_hook(after_step)
+    handles = after_each_step(after_step)
     try:
         yield measured
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks = real_pack, real_wrap_blocks
 
 
@@ -139,15 +160,17 @@ def memory_held(measured):
 # The worker: runs inside each torchrun rank, wraps the script's main() with a profiler over one step
 
 
-def worker(script, argv, profile_step, out_path):
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+def profiled(main, argv, profile_step):
+    """main(argv) on this rank, its optimizer step `profile_step` under torch.profiler: (the collectives rank 0 ran in
+    that step, each {kind, bytes}, or None on another rank: reading a step's trace takes seconds; what this rank held,
+    memory_held's)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     profiler = profile(activities=activities, record_shapes=True)
     steps = {"done": 0}
 
-    def after_optimizer_step(optimizer, args, kwargs):
+    def after_optimizer_step(optimizer):
         # The collectives of step s run during its backward, before optimizer.step: profile from the end of
         # step s-1 to the end of step s.
         steps["done"] += 1
@@ -156,18 +179,28 @@ def worker(script, argv, profile_step, out_path):
         elif steps["done"] == profile_step + 1:
             profiler.stop()
 
-    register_optimizer_step_post_hook(after_optimizer_step)
-    module = importlib.import_module(os.path.splitext(script)[0])  # by name: train_2d.py shares train_fsdp with it
-    with memory_held({}) as held:
-        module.main(argv)
-    if int(os.environ.get("RANK", 0)) == 0:
-        trace = out_path + ".trace.json"
-        profiler.export_chrome_trace(trace)
-        with open(trace) as f:
+    handles = after_each_step(after_optimizer_step)
+    try:
+        with memory_held({}) as held:
+            main(argv)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if int(os.environ.get("RANK", 0)) != 0:
+        return None, held
+    with tempfile.TemporaryDirectory() as folder:
+        profiler.export_chrome_trace(os.path.join(folder, "trace.json"))
+        with open(os.path.join(folder, "trace.json")) as f:
             events = json.load(f)["traceEvents"]
-        os.remove(trace)
-        collectives = [{"kind": collective_kind(e["name"]), "bytes": payload_bytes(e)} for e in events
-                       if e.get("name", "").startswith(("gloo:", "nccl:"))]
+    collectives = [{"kind": collective_kind(e["name"]), "bytes": payload_bytes(e)} for e in events
+                   if e.get("name", "").startswith(("gloo:", "nccl:"))]
+    return collectives, held
+
+
+def worker(script, argv, profile_step, out_path):
+    module = importlib.import_module(os.path.splitext(script)[0])  # by name: train_2d.py shares train_fsdp with it
+    collectives, held = profiled(module.main, argv, profile_step)
+    if collectives is not None:
         with open(out_path, "w") as f:
             json.dump({"collectives": collectives, "held": held}, f)
 
@@ -177,8 +210,15 @@ def worker(script, argv, profile_step, out_path):
 
 
 # A benchmarked strategy: its script on `ranks` ranks with `flags`, run as each of `impls` (ours, --impl torch); the
-# ranks in each group its collectives run over; formula(): plan.comm_formula's [Term] of one step
-Strategy = collections.namedtuple("Strategy", "script ranks flags impls group_size formula")
+# ranks in each group its collectives run over; formula(): plan.comm_formula's [Term] of one step; states(): the bytes
+# of parameters, gradients and AdamW state the planner gives one rank
+Strategy = collections.namedtuple("Strategy", "script ranks flags impls group_size formula states")
+
+
+def model_states(config, layout):
+    """Bytes of parameters, gradients and AdamW state one rank of `layout` holds, by the planner."""
+    rows = plan.plan_memory(config, layout, buckets=train_ddp.assign_buckets, **STRATEGY_CODE)
+    return sum(size for item, size in rows if item.startswith(("parameters", "gradients", "AdamW")))
 
 
 def strategies(args):
@@ -189,21 +229,29 @@ def strategies(args):
     formula = lambda strategy, **layout: lambda: plan.comm_formula(  # noqa: E731
         strategy, config, args.global_batch, dtype=args.dtype, backend=backend, bucket_mb=args.bucket_mb,
         buckets=train_ddp.assign_buckets, **STRATEGY_CODE, **layout)
+    states = lambda strategy, world_size, dp, tp=1, **options: lambda: model_states(config, plan.Layout(  # noqa: E731
+        strategy, world_size, dp, tp, 1, bucket_mb=args.bucket_mb, **options))
     sequence_parallel = ["--sequence_parallel"] * args.sequence_parallel  # --sequence_parallel: tp and 2d with it
     ours_and_torch = ["ours", "torch"]
+    buckets = ["--bucket_mb", str(args.bucket_mb)]
     return {
-        "single": Strategy("train_single.py", 1, [], [None], 1, lambda: []),
-        "ddp": Strategy("train_ddp.py", 2, ["--bucket_mb", str(args.bucket_mb)], ours_and_torch, 2,
-                        formula("ddp", dp=2)),
-        "fsdp": Strategy("train_fsdp.py", 2, [], ours_and_torch, 2, formula("fsdp", dp=2)),
+        "single": Strategy("train_single.py", 1, [], [None], 1, lambda: [], states("single", 1, 1)),
+        "ddp": Strategy("train_ddp.py", 2, buckets, ours_and_torch, 2, formula("ddp", dp=2), states("ddp", 2, 2)),
+        "zero1": Strategy("train_zero.py", 2, ["--stage", "1"] + buckets, ours_and_torch, 2,
+                          formula("zero", dp=2, stage=1), states("zero", 2, 2, stage=1)),
+        "zero2": Strategy("train_zero.py", 2, ["--stage", "2"] + buckets, ["ours"], 2,  # PyTorch has no ZeRO-2
+                          formula("zero", dp=2, stage=2), states("zero", 2, 2, stage=2)),
+        "fsdp": Strategy("train_fsdp.py", 2, [], ours_and_torch, 2, formula("fsdp", dp=2), states("fsdp", 2, 2)),
+        "hsdp": Strategy("train_fsdp.py", 4, ["--replicate", "2"], ours_and_torch, 2,  # groups of 2, the loss over 4
+                         formula("fsdp", dp=4, replicate=2), states("fsdp", 4, 4, replicate=2)),
         "tp": Strategy("train_tp.py", 2, ["--tp", "2"] + sequence_parallel, ours_and_torch, 2,
-                       formula("tp", tp=2, sequence_parallel=args.sequence_parallel)),
+                       formula("tp", tp=2, sequence_parallel=args.sequence_parallel), states("tp", 2, 1, 2)),
         "tp_sequence_parallel": Strategy("train_tp.py", 2, ["--tp", "2", "--sequence_parallel"], ours_and_torch, 2,
-                                         formula("tp", tp=2, sequence_parallel=True)),
+                                         formula("tp", tp=2, sequence_parallel=True), states("tp", 2, 1, 2)),
         "tp_no_loss_parallel": Strategy("train_tp.py", 2, ["--tp", "2", "--no_loss_parallel"], ours_and_torch, 2,
-                                        formula("tp", tp=2, loss_parallel=False)),
+                                        formula("tp", tp=2, loss_parallel=False), states("tp", 2, 1, 2)),
         "2d": Strategy("train_2d.py", 4, ["--tp", "2", "--dp", "2"] + sequence_parallel, ours_and_torch, 2,
-                       formula("2d", tp=2, dp=2, sequence_parallel=args.sequence_parallel)),
+                       formula("2d", tp=2, dp=2, sequence_parallel=args.sequence_parallel), states("2d", 4, 2, 2)),
     }
 
 
@@ -259,7 +307,9 @@ def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, t
     with open(comms_path) as f:
         recorded = json.load(f)
     collectives = recorded["collectives"]
-    return {"activation_bytes": recorded["held"].get("activations"),
+    held = recorded["held"]
+    return {"activation_bytes": held.get("activations"),
+            "state_bytes": held["parameters"] + held["gradients"] + held["optimizer"],
             "tokens_per_s": global_batch * args.block_size / (step_ms / 1000),
             "step_ms": step_ms,
             # before the last step: the profiler's records and the final checkpoint's gathers are not the strategy's
@@ -302,7 +352,9 @@ def compare(args, table, chosen, tmp):
     rows = []
     for (name, impl, ranks), row in best.items():
         formula = sum(term.bytes for term in table[name].formula()) if name in table else 0
-        rows.append(dict(strategy=name, impl=impl, ranks=ranks, formula_bytes=formula, **row))
+        states = table[name if name in table else "single"].states()
+        rows.append(dict(strategy=name, impl=impl, ranks=ranks, formula_bytes=formula, planned_state_bytes=states,
+                         **row))
 
     vocabulary = f"synthetic vocabulary {args.vocab_size}" if args.vocab_size else args.data
     print(f"\n{args.model}, {vocabulary}, block {args.block_size}, global batch {args.global_batch}, "
@@ -310,13 +362,14 @@ def compare(args, table, chosen, tmp):
           f"{args.threads} thread(s) a rank, best of {args.rounds} rounds, "
           f"median of steps {args.warmup}..{args.steps - 3}")
     header = (f"{'strategy':20} {'impl':6} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} "
-              f"{'comm MB/step':>12} {'formula MB':>10} {'colls':>6}")
+              f"{'comm MB/step':>12} {'formula MB':>10} {'colls':>6} {'states MB':>9} {'planned MB':>10}")
     print(header + "\n" + "-" * len(header))
     for row in rows:
         mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
         print(f"{row['strategy']:20} {row['impl'] or '-':6} {row['ranks']:5d} {row['tokens_per_s']:9,.0f} "
               f"{row['step_ms']:8.1f} {row['peak_mem_mb']:8,.0f} {mfu:>6} {row['comm_bytes'] / 2**20:12.2f} "
-              f"{row['formula_bytes'] / 2**20:10.2f} {row['collectives']:6d}")
+              f"{row['formula_bytes'] / 2**20:10.2f} {row['collectives']:6d} {row['state_bytes'] / 1e6:9.3f} "
+              f"{row['planned_state_bytes'] / 1e6:10.3f}")
     print()
     for name in chosen:
         ours = best.get((name, "ours", table[name].ranks))
@@ -402,7 +455,8 @@ def main(argv=None):
             command = [sys.executable, os.path.join(HERE, script)] + [a for a in argv if a != flag]
             raise SystemExit(subprocess.run(command).returncode)
     p = arguments(__doc__)
-    p.add_argument("--strategies", default="single,ddp,fsdp,tp,2d", help="comma-separated strategies to run")
+    p.add_argument("--strategies", default="single,ddp,zero1,zero2,fsdp,hsdp,tp,2d",
+                   help="comma-separated strategies to run")
     p.add_argument("--sequence_parallel", action="store_true", help="tp and 2d with --sequence_parallel")
     p.add_argument("--rounds", type=int, default=2, help="runs of each strategy and implementation; the best counts")
     p.add_argument("--bucket_mb", type=float, default=25, help="DDP's largest gradient bucket, in MiB")

@@ -8,7 +8,7 @@ Imported only where it is used: a script's --plan, bench.py and figures.py.
 What a strategy builds is read from the strategy's own code, which the caller passes in (this file stands below the
 training scripts and imports none of them): sliced=train_tp.is_sliced (what tensor parallelism splits),
 units=train_fsdp.flat_parameter_groups (FSDP's units and FlatParameters), buckets=train_ddp.assign_buckets (DDP's
-gradient buckets).
+gradient buckets, which ZeRO cuts into slices).
 """
 
 import os
@@ -24,9 +24,9 @@ import training
 
 
 class Layout(NamedTuple):
-    strategy: str  # single, ddp, fsdp, tp, 2d
+    strategy: str  # single, ddp, zero, fsdp, tp, 2d, pp
     world_size: int
-    dp: int  # data-parallel degree: FSDP's shard count in fsdp and 2d
+    dp: int  # data-parallel degree: FSDP's shard count in 2d, and in fsdp times `replicate`
     tp: int  # tensor-parallel degree
     micro_batch: int  # sequences per rank per micro-step
     dtype: str = "float32"  # compute dtype: bfloat16 is autocast (single, ddp, tp) or FSDP's gathered dtype
@@ -38,6 +38,9 @@ class Layout(NamedTuple):
     pp: int = 1  # pipeline stages (pp: the ranks are pp x dp)
     schedule: str = "1f1b"  # pp: the order of the micro-batches' forwards and backwards
     micro_batches: int = 1  # pp: micro-batches an optimizer step (the accumulation), all in the pipeline at once
+    stage: int = 1  # zero: 1 shards AdamW's moments, 2 the averaged gradient too
+    replicate: int = 1  # fsdp: HSDP's copies of the shard groups (each of dp / replicate ranks)
+    bucket_mb: float = 25  # ddp and zero: the largest gradient bucket, in MiB
 
 
 def layout_of(args, world_size, dp_size, micro_batch, device):
@@ -46,7 +49,8 @@ def layout_of(args, world_size, dp_size, micro_batch, device):
     return Layout(args.strategy, world_size, dp_size, world_size // (dp_size * pp), micro_batch, args.dtype,
                   getattr(args, "sequence_parallel", False), not getattr(args, "no_loss_parallel", False),
                   args.activation_checkpointing, not getattr(args, "no_reshard", False), device, pp,
-                  getattr(args, "schedule", "1f1b"), args.global_batch // (micro_batch * dp_size))
+                  getattr(args, "schedule", "1f1b"), args.global_batch // (micro_batch * dp_size),
+                  getattr(args, "stage", 1), getattr(args, "replicate", 1), getattr(args, "bucket_mb", 25))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -98,9 +102,42 @@ def parameter_plan(config, layout, sliced=None, units=None):
     cast = sum(n for name, n in sizes.items() if not (".ln_" in name or name.startswith(("ln_f", "wpe"))))
     if layout.strategy not in ("fsdp", "2d"):
         return sum(sizes.values()), len(sizes), 0, 0, cast
-    shards = [[-(-n // layout.dp) for n in unit] for unit in flat_sizes(config, layout.tp, sliced, units)]
-    gathered = [sum(unit) * layout.dp for unit in shards]  # each shard padded to the same length
+    ranks = layout.dp // layout.replicate  # the ranks one flat parameter is sharded over
+    shards = [[-(-n // ranks) for n in unit] for unit in flat_sizes(config, layout.tp, sliced, units)]
+    gathered = [sum(unit) * ranks for unit in shards]  # each shard padded to the same length
     return sum(map(sum, shards)), sum(map(len, shards)), max(gathered[1:]), gathered[0], 0
+
+
+def zero_buckets(config, layout, buckets):
+    """ZeRO's buckets (buckets=train_ddp.assign_buckets), each padded to a multiple of N elements and cut into N
+    slices: ([padded elements of each bucket], [(elements of parameters, pieces) in each rank's slices])."""
+    if buckets is None:
+        raise ValueError("a ZeRO layout needs the strategy's own buckets: pass buckets=train_ddp.assign_buckets")
+    n, padded, ranks = layout.dp, [], [[0, 0] for _ in range(layout.dp)]
+    for bucket in buckets(list(model_on_meta(config).named_parameters()), layout.bucket_mb):
+        sizes = [param.numel() for _, param in bucket]
+        padded.append(-(-sum(sizes) // n) * n)
+        starts = list(itertools.accumulate([0] + sizes))
+        for rank, held in enumerate(ranks):
+            low, high = rank * padded[-1] // n, (rank + 1) * padded[-1] // n
+            overlaps = [min(start + size, high) - max(start, low) for start, size in zip(starts, sizes)]
+            held[0] += sum(overlap for overlap in overlaps if overlap > 0)
+            held[1] += sum(overlap > 0 for overlap in overlaps)
+    return padded, ranks
+
+
+def zero_states(config, layout, buckets):
+    """[(item, bytes)] of ZeRO's model states on the rank that holds the most: the weights in flat padded buckets;
+    the gradient buckets whole (stage 1) or this rank's slices of them (stage 2); AdamW on this rank's slices."""
+    padded, ranks = zero_buckets(config, layout, buckets)
+    rows = [("parameters (float32, in padded buckets)", 4 * sum(padded)),
+            ("gradients (float32" + (", whole padded buckets)" if layout.stage == 1 else ", this rank's slices)"),
+             4 * sum(padded) // (1 if layout.stage == 1 else layout.dp)),
+            ("AdamW state (exp_avg, exp_avg_sq, step; float32) of its slices",
+             max(8 * elements + 4 * pieces for elements, pieces in ranks))]
+    if layout.stage == 2:  # a bucket lives from its first gradient to its reduce-scatter's end; the next one fills
+        rows.append(("two whole gradient buckets: one reduce-scattering, one filling", 4 * sum(sorted(padded)[-2:])))
+    return rows
 
 
 def activation_plan(config, layout):
@@ -138,10 +175,10 @@ def activation_plan(config, layout):
     return items, (block if layout.activation_checkpointing else 0)
 
 
-def plan_memory(config, layout, sliced=None, units=None):
+def plan_memory(config, layout, sliced=None, units=None, buckets=None):
     """[(item, bytes)] one rank holds at its peak in this layout: what lives all run, one micro-batch's saved
-    activations, and what exists at once during a step (gathered units, logits and their gradient). sliced and units:
-    the strategies' own functions, for layouts with tensor parallelism and FSDP."""
+    activations, and what exists at once during a step (gathered units, logits and their gradient). sliced, units and
+    buckets: the strategies' own functions, for layouts with tensor parallelism, FSDP and ZeRO."""
     params, tensors, unit, root, cast = parameter_plan(config, layout, sliced, units)
     activations, recompute = activation_plan(config, layout)
     e = 2 if layout.dtype == "bfloat16" else 4
@@ -151,6 +188,8 @@ def plan_memory(config, layout, sliced=None, units=None):
     rows = [("parameters (float32)", 4 * params),
             ("gradients (float32)", 4 * params),
             ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * tensors)]
+    if layout.strategy == "zero":
+        rows = zero_states(config, layout, buckets)
     if e == 2 and not fsdp:  # autocast's copies, saved by the matmuls; checkpointed blocks recast theirs
         head = config.padded_vocab_size * config.n_embd // layout.tp
         one_block = (cast - head) // config.n_layer
@@ -282,32 +321,54 @@ def tensor_parallel_terms(config, tokens, steps, compute, tp, backend, sequence_
     return terms
 
 
-def fsdp_terms(config, steps, compute, tp, dp, backend, reshard, sliced, units):
+def fsdp_terms(config, steps, compute, tp, dp, backend, reshard, sliced, units, replicate=1):
     """[Term] of FSDP's all-gathers and reduce-scatters, one of each per FlatParameter a micro-step, and a second
-    all-gather of a block unit before its backward (the root stays gathered from forward to backward)."""
-    gathers, gathered, scatters, scattered = 0, 0, 0, 0
+    all-gather of a block unit before its backward (the root stays gathered from forward to backward). HSDP
+    (replicate > 1) shards over dp / replicate ranks, then all-reduces each gradient shard over its `replicate` copies."""
+    ranks = dp // replicate
+    gathers, gathered, scatters, scattered, averaged = 0, 0, 0, 0, 0
     for index, unit in enumerate(flat_sizes(config, tp, sliced, units)):
         times = 1 if index == 0 or not reshard else 2
         for size in unit:
-            shard = -(-size // dp)
+            shard = -(-size // ranks)
             gathers += times
-            gathered += times * sent("all_gather", compute * shard, dp, backend)
+            gathered += times * sent("all_gather", compute * shard, ranks, backend)
             scatters += 1
-            scattered += sent("reduce_scatter", 4 * shard * dp, dp, backend)
-    return [Term("each unit's weights, before its forward and again before its backward", "all_gather", "dp",
-                 steps * gathers, steps * gathered),
-            Term("each unit's float32 gradient, as its backward ends", "reduce_scatter", "dp", steps * scatters,
-                 steps * scattered)]
+            scattered += sent("reduce_scatter", 4 * shard * ranks, ranks, backend)
+            averaged += sent("all_reduce", 4 * shard, replicate, backend)
+    group = "dp" if replicate == 1 else "shard"
+    terms = [Term("each unit's weights, before its forward and again before its backward", "all_gather", group,
+                  steps * gathers, steps * gathered),
+             Term("each unit's float32 gradient, as its backward ends", "reduce_scatter", group, steps * scatters,
+                  steps * scattered)]
+    if replicate > 1:
+        terms.append(Term("each gradient shard, averaged over its copies", "all_reduce", "replicate",
+                          steps * scatters, steps * averaged))
+    return terms
+
+
+def zero_terms(config, steps, dp, backend, stage, bucket_mb, buckets):
+    """[Term] of ZeRO's buckets: stage 1 all-reduces each in the last micro-step, as DDP; stage 2 reduce-scatters
+    each in every micro-step; then each rank's updated slices of the weights are all-gathered."""
+    padded, _ = zero_buckets(config, Layout("zero", dp, dp, 1, 1, stage=stage, bucket_mb=bucket_mb), buckets)
+    if stage == 1:
+        reduced = Term("gradient buckets, during the last micro-step's backward", "all_reduce", "dp", len(padded),
+                       sum(sent("all_reduce", 4 * size, dp, backend) for size in padded))
+    else:
+        reduced = Term("gradient buckets, during every micro-step's backward", "reduce_scatter", "dp",
+                       steps * len(padded), steps * sum(sent("reduce_scatter", 4 * size, dp, backend) for size in padded))
+    return [reduced, Term("each rank's updated slices of the weights, after the step", "all_gather", "dp", len(padded),
+                          sum(sent("all_gather", 4 * size // dp, dp, backend) for size in padded))]
 
 
 def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float32", backend="gloo", tp=1, dp=1,
                  sequence_parallel=False, loss_parallel=True, reshard=True, bucket_mb=25, sliced=None, units=None,
-                 buckets=None):
-    """[Term]: every collective one optimizer step of `strategy` (ddp, fsdp, tp, 2d) runs on one rank, with the bytes
-    that rank sends (ring algorithms, on `backend`), over `dp` data-parallel and `tp` tensor-parallel ranks. The
-    broadcast that makes DDP's replicas equal and the fingerprint check run once at start, not per step. sliced,
-    units and buckets: the strategies' own functions (train_tp.is_sliced, train_fsdp.flat_parameter_groups,
-    train_ddp.assign_buckets)."""
+                 buckets=None, stage=1, replicate=1):
+    """[Term]: every collective one optimizer step of `strategy` (ddp, zero, fsdp, tp, 2d) runs on one rank, with the
+    bytes that rank sends (ring algorithms, on `backend`), over `dp` data-parallel and `tp` tensor-parallel ranks
+    (zero: ZeRO's `stage`; fsdp: HSDP's `replicate` copies of dp / replicate shards). The broadcast that makes DDP's
+    replicas equal and the fingerprint check run once at start, not per step. sliced, units and buckets: the
+    strategies' own functions (train_tp.is_sliced, train_fsdp.flat_parameter_groups, train_ddp.assign_buckets)."""
     micro_batch = micro_batch or global_batch // dp
     steps = global_batch // (micro_batch * dp)  # micro-steps an optimizer step
     compute = 2 if dtype == "bfloat16" else 4
@@ -327,13 +388,16 @@ def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float3
             replicated = sum(n for name, n in sizes.items() if not sliced(name))
             terms.append(Term("replicated parameters' gradients (norms, biases, wpe)", "all_reduce", "tp", 1,
                               sent("all_reduce", 4 * replicated / dp, tp, backend)))
+    if strategy == "zero":
+        terms += zero_terms(config, steps, dp, backend, stage, bucket_mb, buckets)
     if strategy in ("fsdp", "2d"):
-        terms += fsdp_terms(config, steps, compute, tp, dp, backend, reshard, sliced, units)
-    if strategy in ("fsdp", "tp", "2d"):  # the gradient norm's sum of squares; train_2d.py reduces it over every rank
-        terms.append(Term("gradient norm", "all_reduce", "world", 1, sent("all_reduce", 4, tp * dp, backend)))
-    if strategy in ("ddp", "fsdp", "2d"):  # TP peers hold the whole batch's loss already
+        terms += fsdp_terms(config, steps, compute, tp, dp, backend, reshard, sliced, units, replicate)
+    if strategy in ("zero", "fsdp", "tp", "2d"):  # the gradient norm's sum of squares: over every rank's own part
+        terms.append(Term("gradient norm", "all_reduce", "world", 1,
+                          sent("all_reduce", 4, tp * dp // replicate, backend)))  # HSDP: one shard group has all
+    if strategy in ("ddp", "zero", "fsdp", "2d"):  # TP peers hold the whole batch's loss already
         terms.append(Term("the logged loss", "all_reduce", "dp", 1, sent("all_reduce", 4, dp, backend)))
-    if strategy in ("ddp", "fsdp", "tp", "2d"):  # training.StopRequest: the ranks agree whether to stop after this step
+    if strategy in ("ddp", "zero", "fsdp", "tp", "2d"):  # training.StopRequest: the ranks agree whether to stop
         terms.append(Term("whether a rank was asked to stop", "all_reduce", "world", 1,
                           sent("all_reduce", 4, tp * dp, backend)))
     return terms
@@ -359,7 +423,7 @@ def plan_verdict(total, gpu_memory_gb, layout, rows):
     if layout.micro_batch > 1:
         advice.append("a smaller --micro_batch")
     if "activations" not in largest or not advice:
-        advice.append("train_fsdp.py or a larger --dp" if layout.strategy in ("single", "ddp", "tp")
+        advice.append("train_fsdp.py or a larger --dp" if layout.strategy in ("single", "ddp", "zero", "tp")
                       else "a larger --pp" if layout.strategy == "pp" else "a larger --tp (train_2d.py) or more GPUs")
     return f"does not fit: needs {total / 1e9:.1f} GB; try {' or '.join(advice)}"
 
@@ -375,10 +439,10 @@ def plan_config(args):
     return gpt.make_config(preset, vocab_size, args.block_size, args.dropout), preset
 
 
-def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, schedule=None):
+def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, schedule=None, buckets=None):
     """--plan: print what one rank of this layout needs, item by item, and whether it fits in --gpu_memory. sliced,
-    units, layers and schedule: train_tp.is_sliced, train_fsdp.flat_parameter_groups, train_pp.stage_layers and
-    train_pp.schedule, from the scripts that use them."""
+    units, layers, schedule and buckets: train_tp.is_sliced, train_fsdp.flat_parameter_groups, train_pp.stage_layers,
+    train_pp.schedule and train_ddp.assign_buckets, from the scripts that use them."""
     config, preset = plan_config(args)
     if args.micro_batch is None and args.global_batch % dp_size:
         raise prepare_data.UsageError(f"--global_batch {args.global_batch} does not split over {dp_size} "
@@ -390,7 +454,7 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
     if layout.strategy == "pp":
         rows = pipeline_plan(config, layout, layers, schedule)
     else:
-        rows = plan_memory(config, layout, sliced, units)
+        rows = plan_memory(config, layout, sliced, units, buckets)
     total = sum(size for _, size in rows)
     num_params = model_on_meta(config).num_params()
     size = f"{num_params / 1e9:,.1f}B" if num_params >= 1e9 else f"{num_params / 1e6:,.1f}M"
@@ -399,6 +463,8 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
         f" on {world_size} rank{'s' * (world_size > 1)} (dp {layout.dp} x tp {layout.tp}"
         + f" x pp {layout.pp}, {layout.schedule}" * (layout.pp > 1) + ") | micro batch "
         f"{layout.micro_batch} x {config.block_size} tokens | {layout.dtype}"
+        + f" | ZeRO-{layout.stage}" * (layout.strategy == "zero")
+        + f" | HSDP: {layout.replicate} copies of {layout.dp // layout.replicate} shards" * (layout.replicate > 1)
         + " | activation checkpointing" * layout.activation_checkpointing
         + " | sequence parallel" * layout.sequence_parallel)
     for item, size in rows + [("total, one rank", total)]:

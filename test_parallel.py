@@ -30,6 +30,7 @@ import time
 import tokenize
 import traceback
 from datetime import timedelta
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -59,6 +60,7 @@ import train_fsdp  # noqa: E402
 import train_pp  # noqa: E402
 import train_single  # noqa: E402
 import train_tp  # noqa: E402
+import train_zero  # noqa: E402
 import training  # noqa: E402
 
 # @record (torch.distributed.elastic) wants a real stderr for its fault handler; pytest's capture has none.
@@ -427,8 +429,8 @@ def _advertised_commands():
     """Every command line of the README, of docs/*.md and of the scripts' docstrings that launches a training
     script."""
     texts = [*documentation().values(), *(open(os.path.join(HERE, name)).read() for name in
-                                          ("train_single.py", "train_ddp.py", "train_fsdp.py", "train_tp.py",
-                                           "train_2d.py"))]
+                                          ("train_single.py", "train_ddp.py", "train_zero.py", "train_fsdp.py",
+                                           "train_tp.py", "train_2d.py"))]
     lines = "\n".join(texts).replace("\\\n", " ").splitlines()
     return [line.split("#")[0] for line in lines if re.search(r"(torchrun|python) .*train_\w+\.py", line)]
 
@@ -964,8 +966,8 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
         train_single.main(flags(corpus, tmp_path, **bad))
 
 
-SCRIPTS = [train_single, train_ddp, train_fsdp, train_tp, train_2d, train_pp, prepare_data, bench, gpu_check,
-           bench_pipeline]
+SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, prepare_data, bench,
+           gpu_check, bench_pipeline]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.__name__)
@@ -1024,6 +1026,8 @@ def command_line(main, argv, capsys):
     (train_single.main, dict(attn="flash"), "--attn flash needs the flash-attn package"),
     (train_ddp.main, dict(bucket_mb=0), "argument --bucket_mb: must be a number > 0"),
     (train_ddp.main, dict(impl="torch", resume=True), "--resume is implemented for --impl ours only"),
+    (train_zero.main, dict(stage=3), "argument --stage: invalid choice: 3 (choose from 1, 2)"),
+    (train_fsdp.main, dict(replicate=0), "argument --replicate: must be a whole number > 0"),
     (train_tp.main, dict(tp=0), "argument --tp: must be a whole number > 0"),
     (train_2d.main, dict(dp=-1), "argument --dp: must be a whole number > 0"),
     (train_2d.main, {}, "--tp 2 x --dp 1 = 2 ranks, but the world has 1: launch it with torchrun --nproc_per_node=2"),
@@ -1038,6 +1042,8 @@ def test_bad_flags_are_one_line_errors(corpus, tmp_path, capsys, main, bad, mess
 @pytest.mark.parametrize("main, world_size, bad, message", [
     (train_ddp.main, 2, dict(micro_batch=None, global_batch=3), "--global_batch 3 does not split over 2 data-parallel"),
     (train_fsdp.main, 4, dict(global_batch=16, micro_batch=3), "not a multiple of --micro_batch 3 x data-parallel "),
+    (train_fsdp.main, 4, dict(replicate=3), "--replicate 3 does not divide the 4 ranks into shard groups of equal"),
+    (train_zero.main, 2, dict(stage=2, impl="torch"), "--impl torch has no --stage 2: PyTorch has no ZeRO-2"),
     (train_tp.main, 2, dict(tp=4), "--tp 4 with 2 ranks: train_tp.py is tensor-parallel only"),
     (train_2d.main, 4, dict(tp=2, dp=3), "--tp 2 x --dp 3 = 6 ranks, but the world has 4: choose --tp and --dp"),
 ])
@@ -1597,12 +1603,169 @@ def test_bench_forwards_pipeline_to_bench_pipeline():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# train_zero.py: ZeRO-1 and ZeRO-2 on train_ddp.py's buckets
+
+
+_zero_runs = {}
+
+
+PROFILED_STEP = 4  # of flags()' 6: no validation, no checkpoint; the loss and stop all-reduces of the step before
+
+
+def _profiled(main, argv):
+    """main(argv) on this rank under bench.profiled: (the collectives of step PROFILED_STEP, what the rank held)."""
+    with one_thread():
+        return bench.profiled(main, argv, PROFILED_STEP)
+
+
+
+
+def zero_run(corpus, tmp_path_factory, world_size, **overrides):
+    """train_zero.py on world_size ranks, once per distinct flags per session: (read_run's result, each rank's
+    collectives of one step and what it held after its first step, as bench.py counts them)."""
+    key = (world_size, tuple(sorted(overrides.items())))
+    if key not in _zero_runs:
+        out_dir = shared_folder(tmp_path_factory, "zero")
+        ranks = run_distributed(world_size, _profiled, train_zero.main, flags(corpus, out_dir, **overrides))
+        _zero_runs[key] = read_run(str(out_dir)), ranks
+    return _zero_runs[key]
+
+
+def assert_sends_its_formula(collectives, terms, group_size):
+    """One step's collectives, as bench.py counts them, against plan.comm_formula's: the same number, the same
+    bytes (each counted over group_size ranks)."""
+    sent = sum(plan.wire_bytes(c["kind"], c["bytes"], group_size) for c in collectives)
+    print(f"{len(collectives)} collectives, {sent:,.0f} bytes; formula {sum(t.count for t in terms)}, "
+          f"{sum(t.bytes for t in terms):,.0f}")
+    assert len(collectives) == sum(term.count for term in terms), terms
+    return sent
+
+
+ZERO_LAYOUTS = pytest.mark.parametrize("stage, impl", [(1, "ours"), (2, "ours"), (1, "torch")])  # torch: no ZeRO-2
+
+
+@ZERO_LAYOUTS
+def test_zero_matches_single(corpus, tmp_path_factory, stage, impl):
+    """4 ranks, accumulation 2, clipping active: ZeRO-1 and ZeRO-2, and DDP with PyTorch's ZeroRedundancyOptimizer,
+    compute what one device computes; stage 2 reduce-scatters in both micro-steps, its slices adding up."""
+    run, _ = zero_run(corpus, tmp_path_factory, 4, stage=stage, impl=impl)
+    assert_runs_match(run, single_run(corpus, tmp_path_factory))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_holds_one_nth_of_the_moments_and_stage_2_of_the_gradients(corpus, tmp_path_factory, stage):
+    """After a step of the 4-rank runs above, each rank holds the whole weights (4 bytes an element of the padded
+    buckets), AdamW's moments only for its slices (8 bytes an element of its pieces, and a 4-byte step a piece: the
+    ranks' moments together are the model's once), and the averaged gradient whole (stage 1) or only its slices
+    (stage 2: 4 bytes an element of 1/N of the padded buckets). The plan gives each (AdamW: the rank that holds most)."""
+    _, ranks = zero_run(corpus, tmp_path_factory, 4, stage=stage, impl="ours")
+    held = [held for _, held in ranks]
+    config = gpt.make_config("tiny", 256, 32)
+    layout = plan.Layout("zero", 4, 4, 1, 2, stage=stage)
+    padded, slices = plan.zero_buckets(config, layout, train_ddp.assign_buckets)
+    num_params = plan.model_on_meta(config).num_params()
+    moments = [rank["optimizer"] - 4 * pieces for rank, (_, pieces) in zip(held, slices)]
+    print(f"ZeRO-{stage}: moments per rank {moments} bytes, of {8 * num_params}; buckets {padded} elements")
+    assert sum(moments) == 8 * num_params and moments == [8 * elements for elements, _ in slices]
+    assert max(moments) == 8 * sum(padded) // 4 and sum(padded) - num_params < 4 * len(padded)
+    gradients = 4 * sum(padded) // (1 if stage == 1 else 4)
+    assert all((rank["parameters"], rank["gradients"]) == (4 * sum(padded), gradients) for rank in held), held
+    rows = dict(plan.plan_memory(config, layout, buckets=train_ddp.assign_buckets))
+    planned = lambda prefix: sum(size for item, size in rows.items() if item.startswith(prefix))  # noqa: E731
+    assert (planned("parameters"), planned("gradients"), planned("AdamW")) == (
+        4 * sum(padded), gradients, max(rank["optimizer"] for rank in held))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_sends_its_formula(corpus, tmp_path_factory, stage):
+    """One step of the 4-rank runs above (accumulation 2), read from torch.profiler as bench.py reads it: stage 1
+    all-reduces each bucket once, stage 2 reduce-scatters each in both micro-steps (gloo: an all-reduce of the whole
+    bucket); both all-gather the slices once, and all-reduce the gradient norm, the logged loss and whether to stop.
+    The same collectives as plan.comm_formula, and the same bytes, to the byte."""
+    _, ranks = zero_run(corpus, tmp_path_factory, 4, stage=stage, impl="ours")
+    terms = plan.comm_formula("zero", gpt.make_config("tiny", 256, 32), 16, micro_batch=2, dp=4, stage=stage,
+                              buckets=train_ddp.assign_buckets)
+    assert assert_sends_its_formula(ranks[0][0], terms, 4) == sum(term.bytes for term in terms)
+
+
+def _zero_on_any_module(stage):
+    """Net (tied weights, a frozen layer, a buffer) under ZeRO on this rank, 2 steps of 2 micro-steps, against the
+    whole module on the whole batch with AdamW: its weights, moments and what it holds."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)  # every rank starts from other weights: the wrapper must broadcast rank 0's
+    net = Net()
+    torch.manual_seed(0)
+    reference = Net()
+    model = (train_zero.ZeroStage1 if stage == 1 else train_zero.ZeroStage2)(net)  # one bucket of 80 elements
+    decayed, not_decayed = model.parameter_groups()
+    optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.5}, {"params": not_decayed, "weight_decay": 0}],
+                                  lr=0.01)
+    trained = [p for p in reference.parameters() if p.requires_grad]
+    reference_optimizer = torch.optim.AdamW([{"params": [p for p in trained if p.dim() >= 2], "weight_decay": 0.5},
+                                             {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0}],
+                                            lr=0.01)
+    batch = torch.randn(4 * world_size, 8, generator=torch.Generator().manual_seed(5))
+    whole_buckets_left, norms = [], []
+    for step in range(2):
+        rows = batch[4 * rank:4 * rank + 4]
+        with model.no_sync():  # stage 1: accumulates; stage 2: keeps its whole bucket across the micro-steps
+            (model(rows[:2]) / 2).backward()
+        (model(rows[2:]) / 2).backward()
+        whole_buckets_left.append(sum(bucket.buffer.untyped_storage().nbytes() for bucket in model.buckets))
+        reference(batch).backward()  # the whole global batch on one process
+        norms.append((model.clip_grad_norm_(CLIPPED).item(), torch.nn.utils.clip_grad_norm_(trained, CLIPPED).item()))
+        optimizer.step()
+        model.gather_parameters()
+        model.zero_grad(set_to_none=False)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    weights = {name: param.detach().numpy().copy() for name, param in net.named_parameters()}
+    expected = {name: param.detach().numpy().copy() for name, param in reference.named_parameters()}
+    moments = sum(t.numel() for state in optimizer.state.values() for key, t in state.items() if key != "step")
+    gradients = sum(bucket.gradient_slice.numel() for bucket in model.buckets)
+    return weights, expected, moments, gradients, whole_buckets_left, [b.buffer.numel() for b in model.buckets], norms
+
+
+CLIPPED = 0.05  # below Net's gradient norms (0.2-0.3): clipping acts on every step
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_on_an_uneven_bucket_that_mixes_decayed_and_undecayed_parameters(stage):
+    """Net's 80 trainable elements in one bucket over 3 ranks: padded to 81, slices of 27; rank 0's holds both
+    biases (no decay) and 11 elements of the tied matrix (decay 0.5). Two steps of two micro-steps (the first inside
+    no_sync), clipped, equal AdamW on the whole module and batch; the moments cover each element once; stage 2 holds
+    its slice of the gradient alone, and no whole bucket outlives backward."""
+    results = run_distributed(3, _zero_on_any_module, stage)
+    for weights, expected, moments, gradients, whole, sizes, norms in results:
+        assert sizes == [81] and gradients == 27
+        assert whole == ([0, 0] if stage == 2 else [4 * 81] * 2)
+        np.testing.assert_allclose(*zip(*norms), rtol=1e-5)
+        assert min(norm for _, norm in norms) > CLIPPED
+        for name in expected:
+            np.testing.assert_allclose(weights[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert [moments for _, _, moments, *_ in results] == [2 * 27, 2 * 27, 2 * 26]  # exp_avg and exp_avg_sq
+
+
+@launches_its_own_ranks  # 2, 4 and 2 ranks in turn
+def test_zero_and_hsdp_resume_from_and_into_other_layouts(corpus, shared_tmp, tmp_path_factory):
+    """One run of 6 steps, checkpointed every 2: ZeRO-2 on 2 ranks (each rank writes its slices, their moments
+    with them) crashes at step 3; HSDP, 2 copies of 2 shards (the first copy writes), resumes from step 2 and
+    crashes at step 5; ZeRO-1 on 2 ranks resumes from step 4 and finishes: train_single's 6 steps."""
+    argv = lambda **layout: flags(corpus, shared_tmp, ckpt_interval=2, **layout)  # noqa: E731
+    assert run_distributed(2, _train_until, train_zero.main, 3, argv(stage=2)) == ["crashed"] * 2
+    assert run_distributed(4, _train_until, train_fsdp.main, 5, argv(replicate=2, resume=True)) == ["crashed"] * 4
+    run_distributed(2, train_zero.main, argv(stage=1, resume=True))
+    assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000006")
+    assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory))
+
+
+# ------------------------------------------------------------------------------------------------------------
 # train_fsdp.py
 
 
 def _train_counting_gathers(main, argv):
     """main(argv) on this rank; returns, for each batch it draws, (split, the all-gathers it issued from that batch
-    until the next): the forward and backward of a training micro-step, or a validation forward."""
+    until the next): the forward and backward of a training micro-step, or a validation forward; and main's result."""
     batches = []
     real_gather, real_get = train_fsdp.all_gather_single, training.BatchSampler.get
 
@@ -1616,10 +1779,10 @@ def _train_counting_gathers(main, argv):
 
     train_fsdp.all_gather_single, training.BatchSampler.get = gather, get
     try:
-        main(argv)
+        result = main(argv)
     finally:
         train_fsdp.all_gather_single, training.BatchSampler.get = real_gather, real_get
-    return [tuple(batch) for batch in batches]
+    return [tuple(batch) for batch in batches], result
 
 
 _fsdp_runs = {}
@@ -1627,27 +1790,30 @@ _fsdp_runs = {}
 
 def fsdp_run(corpus, tmp_path_factory, world_size, **overrides):
     """train_fsdp.py on world_size ranks, once per distinct flags per session: (read_run's result, rank 0's
-    all-gathers per batch)."""
+    all-gathers per batch); _fsdp_runs keeps HSDP's collectives of step PROFILED_STEP too."""
     key = (world_size, tuple(sorted(overrides.items())))
     if key not in _fsdp_runs:
         out_dir = shared_folder(tmp_path_factory, "fsdp")
         argv = flags(corpus, out_dir, **overrides)
-        gathers = run_distributed(world_size, _train_counting_gathers, train_fsdp.main, argv)[0]
-        _fsdp_runs[key] = read_run(str(out_dir)), gathers
-    return _fsdp_runs[key]
+        # HSDP's bytes are held to its formula here (test_hsdp_sends_its_formula), FSDP's through bench.py
+        main = partial(_profiled, train_fsdp.main) if overrides.get("replicate", 1) > 1 else train_fsdp.main
+        gathers, profiled = run_distributed(world_size, _train_counting_gathers, main, argv)[0]
+        _fsdp_runs[key] = read_run(str(out_dir)), gathers, profiled[0] if profiled else None
+    return _fsdp_runs[key][:2]
 
 
 FSDP_LAYOUTS = pytest.mark.parametrize("world_size, strategy", [
     (2, {}),
     (3, dict(global_batch=12)),  # 16 rows do not split over 3 ranks; the flat parameters of biases and norms pad
     (4, dict(no_reshard=True, no_deferred_init=True)),
+    (4, dict(replicate=2)),  # HSDP: 2 copies of 2 shards
 ])
 
 
 @FSDP_LAYOUTS
 def test_fsdp_matches_single(corpus, tmp_path_factory, world_size, strategy):
     """2, 3 and 4 ranks, accumulation 4, 2 and 2, clipping active: ZeRO-3 computes what one device computes, with
-    uneven shards too."""
+    uneven shards too, and so does HSDP (4 ranks: 2 copies of 2 shards; the shards' gradients averaged over both)."""
     run, _ = fsdp_run(corpus, tmp_path_factory, world_size, **strategy)
     batch = {key: value for key, value in strategy.items() if key == "global_batch"}
     assert_runs_match(run, single_run(corpus, tmp_path_factory, **batch))
@@ -1677,6 +1843,27 @@ def test_fsdp_ours_matches_fully_shard(corpus, tmp_path_factory, dropout):
     assert_runs_match(ours, theirs)
 
 
+def test_hsdp_ours_matches_fully_shard_on_a_2d_mesh(corpus, tmp_path_factory):
+    """PyTorch's HSDP, fully_shard on a (replicate, shard) DeviceMesh of 2 x 2, on the same flags as ours (4 ranks,
+    accumulation 2): both equal train_single, and each other."""
+    ours, _ = fsdp_run(corpus, tmp_path_factory, 4, replicate=2)
+    theirs, _ = fsdp_run(corpus, tmp_path_factory, 4, replicate=2, impl="torch")
+    assert_runs_match(theirs, single_run(corpus, tmp_path_factory))
+    assert_runs_match(ours, theirs)
+
+
+def test_hsdp_sends_its_formula(corpus, tmp_path_factory):
+    """One step of HSDP's 4-rank run (2 copies of 2 shards, accumulation 2), read from torch.profiler as bench.py
+    reads it: FSDP's all-gathers and reduce-scatters inside each shard group, then each gradient shard all-reduced
+    over its copies, as plan.comm_formula counts them. The bytes within 8 of the formula's: the logged loss and the
+    stop agreement run over all 4 ranks, counted here in groups of 2."""
+    fsdp_run(corpus, tmp_path_factory, 4, replicate=2)
+    collectives = _fsdp_runs[4, (("replicate", 2),)][2]
+    terms = plan.comm_formula("fsdp", gpt.make_config("tiny", 256, 32), 16, micro_batch=2, dp=4, replicate=2,
+                              **bench.STRATEGY_CODE)
+    assert abs(assert_sends_its_formula(collectives, terms, 2) - sum(term.bytes for term in terms)) <= 8
+
+
 @torch.no_grad()
 def named_full_parameters(fsdp):
     """(name, full float32 tensor) of every parameter of a FullyShardedDataParallel, gathered one flat buffer at a
@@ -1688,13 +1875,13 @@ def named_full_parameters(fsdp):
             yield name, piece.view(shape)
 
 
-def _build(config, seed=5, init_from=None):
+def _build(config, seed=5, init_from=None, **groups):
     with torch.device("meta"):
         model = gpt.GPT(config)
     value = training.initial_values(config, seed, init_from)
     with RecordOutputs() as allocations:
         fsdp = train_fsdp.FullyShardedDataParallel(
-            model, initial_value=value)
+            model, initial_value=value, **groups)
     return model, fsdp, max(t.numel() for _, t in allocations.outputs if t.device.type != "meta")
 
 
@@ -1723,9 +1910,10 @@ def test_fsdp_deferred_init_holds_one_parameter_at_a_time(corpus):
             assert np.array_equal(full[name], param.detach().numpy()), name
 
 
-def _memory_after_a_step():
+def _memory_after_a_step(replicate):
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
-    model, fsdp, _ = _build(config)
+    shard_group, replicate_group = train_fsdp.hybrid_groups(replicate) if replicate > 1 else (None, None)
+    model, fsdp, _ = _build(config, process_group=shard_group, replicate_group=replicate_group)
     args = training.get_parser("").parse_args([])
     optimizer = training.make_optimizer(fsdp.parameter_groups(), args, torch.device("cpu"))
     x = torch.randint(0, 256, (2, 32))
@@ -1741,15 +1929,17 @@ def _memory_after_a_step():
             sum(flat.padding for flat in flats), len(flats), len(fsdp.gathered), views)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_fsdp_memory_is_one_nth(world_size):
+@pytest.mark.parametrize("world_size, replicate", [(2, 1), (3, 1), (4, 2)])
+def test_fsdp_memory_is_one_nth(world_size, replicate):
     """After a step, each rank's parameters + gradients + AdamW moments (float32: 4 tensors of 4 bytes an
     element) are exactly 1/N of the unsharded model's, padding aside (3 ranks pad the flat parameters of biases
-    and norms); nothing is left gathered."""
-    for held, total, padding, flats, gathered, original in run_distributed(world_size, _memory_after_a_step):
+    and norms); under HSDP 1/S, S = N / replicate the ranks of a shard group; nothing is left gathered."""
+    shards = world_size // replicate
+    for held, total, padding, flats, gathered, original in run_distributed(world_size, _memory_after_a_step,
+                                                                           replicate):
         print(f"{world_size} ranks: {held} bytes held per rank; unsharded model {16 * total}; padding {padding}")
-        assert held * world_size == 16 * (total + padding)
-        assert padding <= (world_size - 1) * flats  # each flat parameter pads to a multiple of the world size
+        assert held * shards == 16 * (total + padding)
+        assert padding <= (shards - 1) * flats  # each flat parameter pads to a multiple of the shard group's size
         assert padding > 0 or world_size != 3
         assert gathered == 0 and original  # no full copy kept; the model's parameters are views into the shards
 
@@ -2280,7 +2470,7 @@ def run_2d(corpus, tmp_path_factory, world_size, **overrides):
     if key not in _2d_runs:
         out_dir = shared_folder(tmp_path_factory, "2d")
         argv = flags(corpus, out_dir, **overrides)
-        _2d_gathers[key] = run_distributed(world_size, _train_counting_gathers, train_2d.main, argv)[0]
+        _2d_gathers[key] = run_distributed(world_size, _train_counting_gathers, train_2d.main, argv)[0][0]
         _2d_runs[key] = read_run(str(out_dir))
     return _2d_runs[key]
 
@@ -2893,6 +3083,8 @@ def test_plan_reads_the_strategies_own_code():
         plan.plan_memory(config, plan.Layout("fsdp", 2, 2, 1, 2))
     with pytest.raises(ValueError, match="buckets=train_ddp.assign_buckets"):
         plan.comm_formula("ddp", config, 8, dp=2)
+    with pytest.raises(ValueError, match="buckets=train_ddp.assign_buckets"):
+        plan.plan_memory(config, plan.Layout("zero", 2, 2, 1, 2))
     with open(os.path.join(HERE, "plan.py")) as f:
         tree = ast.parse(f.read())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
@@ -3476,6 +3668,7 @@ COPIED_WITH = {  # script -> the files beside it that its default run needs (REA
     "train_tp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py"],
     "train_2d.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_tp.py", "train_fsdp.py"],
     "train_pp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
+    "train_zero.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
 }
 
 
@@ -3506,7 +3699,8 @@ def test_the_readme_names_the_files_a_copied_script_needs():
     sentence = re.search(r"A script copied into another project needs ([^;]*);", text)
     assert sentence, "the README no longer says what a copied script needs"
     named = set(re.findall(r"`(\w+\.py)`", sentence.group(1)))
-    assert named == {"train_2d.py", "train_pp.py"} | {name for files in COPIED_WITH.values() for name in files}, named
+    assert named == {"train_2d.py", "train_pp.py", "train_zero.py"} | {
+        name for files in COPIED_WITH.values() for name in files}, named
 
 
 READER_TOKEN_SKIP = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT,
@@ -3587,7 +3781,7 @@ def test_what_a_reader_must_read_is_small():
     """The design card's afternoon, measured as issue #22 does: train_single.py reaches at most 8,200 Python tokens
     (twice nanoGPT's model.py and train.py); every other script at most 800 lines outside the train_*.py files;
     copying a script drags along at most 1,350 lines; each strategy core names no project module but gpt."""
-    for script in ["train_single", "train_ddp", "train_fsdp", "train_tp", "train_2d"]:
+    for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d"]:
         reach = reader_reach(script)
         outside = sum(lines for module, (lines, _) in reach.items() if not module.startswith("train_"))
         dragged = sorted(m for m in imported_at_module_level(script) if not m.startswith("train_"))
@@ -3601,11 +3795,12 @@ def test_what_a_reader_must_read_is_small():
         else:
             assert outside <= (808 if script in ("train_tp", "train_2d") else 800), reach
         assert dragged_lines <= 1350, dragged
-    for script in ["train_ddp", "train_fsdp", "train_tp"]:
+    for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
         named = {n.id for node in core for n in ast.walk(node) if isinstance(n, ast.Name)}
-        assert named & set(imports) <= {"gpt"}, (script, named & set(imports))
+        assert named & set(imports) <= {"gpt", "train_ddp"} if script == "train_zero" else {"gpt"}, (
+            script, named & set(imports))
 
 
 
