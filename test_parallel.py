@@ -3811,6 +3811,8 @@ EVERY_LAYOUT = {  # script, ranks, extra flags: ours and PyTorch's
     "single": (train_single.main, 1, {}),
     "ddp": (train_ddp.main, 2, {}),
     "ddp-torch": (train_ddp.main, 2, dict(impl="torch")),
+    "zero": (train_zero.main, 2, dict(stage=2)),
+    "zero-torch": (train_zero.main, 2, dict(impl="torch")),
     "fsdp": (train_fsdp.main, 2, {}),
     "fsdp-torch": (train_fsdp.main, 2, dict(impl="torch")),
     "tp": (train_tp.main, 2, {}),
