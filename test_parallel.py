@@ -1042,7 +1042,7 @@ def test_bad_flags_are_one_line_errors(corpus, tmp_path, capsys, main, bad, mess
 @pytest.mark.parametrize("main, world_size, bad, message", [
     (train_ddp.main, 2, dict(micro_batch=None, global_batch=3), "--global_batch 3 does not split over 2 data-parallel"),
     (train_fsdp.main, 4, dict(global_batch=16, micro_batch=3), "not a multiple of --micro_batch 3 x data-parallel "),
-    (train_fsdp.main, 4, dict(replicate=3), "--replicate 3 does not divide the 4 ranks into shard groups of equal"),
+    (train_fsdp.main, 4, dict(replicate=3), "--replicate 3 does not divide world size 4 into shard groups of equal size"),
     (train_zero.main, 2, dict(stage=2, impl="torch"), "--impl torch has no --stage 2: PyTorch has no ZeRO-2"),
     (train_tp.main, 2, dict(tp=4), "--tp 4 with 2 ranks: train_tp.py is tensor-parallel only"),
     (train_2d.main, 4, dict(tp=2, dp=3), "--tp 2 x --dp 3 = 6 ranks, but the world has 4: choose --tp and --dp"),

@@ -271,7 +271,7 @@ def main(argv=None):
     rank, local_rank, world_size = training.launched_rank(args)
     dp_rank, dp_size = rank, world_size
     if world_size % args.replicate:
-        raise training.UsageError(f"--replicate {args.replicate} does not divide the {world_size} ranks into shard "
+        raise training.UsageError(f"--replicate {args.replicate} does not divide world size {world_size} into shard "
                                   f"groups of equal size: choose a divisor of {world_size}")
     shards = world_size // args.replicate
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
