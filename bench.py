@@ -276,10 +276,11 @@ def synthetic_data(folder, vocab_size, num_tokens=2_000_000, seed=0):
 
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(seed)
+    dtype = prepare_data.token_dtype(vocab_size)  # uint32 for Llama 3's 128,256
     for split, count in (("train", num_tokens), ("val", num_tokens // 10)):
-        rng.integers(0, vocab_size, size=count, dtype=np.uint16).tofile(os.path.join(folder, f"{split}.bin"))
+        rng.integers(0, vocab_size, size=count, dtype=dtype).tofile(os.path.join(folder, f"{split}.bin"))
     with open(os.path.join(folder, "meta.json"), "w") as f:
-        json.dump({"tokenizer": "gpt2", "vocab_size": vocab_size, "source": "synthetic"}, f)
+        json.dump({"tokenizer": "gpt2", "vocab_size": vocab_size, "dtype": dtype, "source": "synthetic"}, f)
     return folder
 
 
