@@ -148,6 +148,9 @@ class Llama3Tokenizer:
         self.dtype = token_dtype(self.vocab_size)
         self.bos, self.eot = special["<|begin_of_text|>"], special["<|end_of_text|>"]
 
+    def __reduce__(self):  # pickled as its file's path: datasets hashes the tokenizer and sends it to its processes
+        return Llama3Tokenizer, (self.name,)
+
     def encode(self, text):
         return [self.bos] + self.encoding.encode_ordinary(text)
 
