@@ -444,14 +444,17 @@ def test_every_advertised_configuration_passes_the_layout_checks():
         nodes = option("--nnodes", "1")  # a number, or a scheduler's variable ($SLURM_JOB_NUM_NODES)
         ranks = int(option("--nproc_per_node", 1)) * (int(nodes) if nodes.isdigit() else 1)
         ranks = int(option("--world_size", ranks)) if "--plan" in command else ranks  # planned, not launched
-        model = option("--model", "tiny")
-        config = gpt.make_config(model, 256 if model == "tiny" else 50257, int(option("--block_size", 128)))
+        pretrained = option("--init_from", "tiny").replace("llama-3", "llama3")  # the hub's Llama-3.1-8B: llama3.1-8b
+        model = option("--model", pretrained if pretrained in gpt.PRESETS else "tiny")
+        vocab_size = 256 if model in ("tiny", "llama-tiny") else 128256 if model.startswith("llama") else 50257
+        config = gpt.make_config(model, vocab_size, int(option("--block_size", 128)))
         tp = {"tp": int(option("--tp", ranks)), "2d": int(option("--tp", 2))}.get(script, 1)
         training.check_tensor_parallel(config, tp, "--sequence_parallel" in command)
         if script == "2d":
             assert tp * int(option("--dp", ranks // tp)) == ranks, command
     readme = "\n".join(documentation().values()).replace("\n", " ")
-    for preset, script, options in re.findall(r"`(tiny|gpt[23][\w.-]*)`[^`]*?`train_(\w+)\.py([^`]*)`", readme):
+    for preset, script, options in re.findall(r"`(tiny|gpt[23][\w.-]*|llama[\w.-]*)`[^`]*?`train_(\w+)\.py([^`]*)`",
+                                              readme):
         tp = int((re.findall(r"--tp[= ](\d+)", options) or [2 if script == "2d" else 1])[-1])  # prose: "X with `...`"
         training.check_tensor_parallel(gpt.make_config(preset, 50257, 1024), tp, False)
 
@@ -3317,7 +3320,7 @@ def test_quick_start_runs_in_the_readme_order(corpus, tmp_path):
         with launcher(tmp_path) as start:
             code, output, _ = start(*words, *SHORTER_RUN, via_torchrun=command.startswith("torchrun"), cwd=repo).wait()
         assert code == 0 and "from scratch" in output and "sample:" in output, f"{command}\n{output[-3000:]}"
-    assert sorted(os.listdir(repo / "out")) == ["2d", "ddp", "fsdp", "pp", "single", "tp"]
+    assert sorted(os.listdir(repo / "out")) == ["2d", "ddp", "fsdp", "llama-tiny", "pp", "single", "tp"]
 
 
 def test_the_quick_start_figures_are_of_the_default_run():
