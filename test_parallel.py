@@ -4797,7 +4797,10 @@ def test_llama3_tokenizer_from_a_bpe_file_writes_uint32_tokens(tmp_path, corpus,
     assert [document[0] for document in documents] == [tokenizer.bos] * len(documents) == [tokenizer.bos] * 4
     assert "".join(tokenizer.decode(document[1:-1].tolist()) for document in documents) == "".join(
         line + "\n" for line in lines[:len(documents) * 64])
-    sampler = training.BatchSampler(str(out / "train.bin"), 16, 4, 4, 0, 1, 0, torch.device("cpu"), meta["dtype"])
+    args = training.get_parser("").parse_args(flags(corpus, tmp_path / "run", data=str(out), block_size=16,
+                                                    global_batch=4, micro_batch=4, model="llama-tiny"))
+    _, config, sampler, _ = training.load_data(args, 0, 1, torch.device("cpu"), is_writer=False)
+    assert config.vocab_size == ranks + 256
     x, y = sampler.get(0, 0)
     starts = sampler.offsets(0)
     assert np.array_equal(x.numpy(), np.stack([train[s:s + 16] for s in starts]))
