@@ -119,8 +119,9 @@ def norm(config):
 
 
 def rotary_angles(config, pos):
-    """(cos, sin) of the rotary angles of the tokens at positions pos, [T, 1, head_dim / 2] each, or None for GPT-2's
-    learned positions. Channel pair i turns by pos * theta^(-2i / head_dim) (RoFormer). Llama 3.1 slows the pairs of
+    """(cos, sin) of the rotary angles of the tokens at positions pos, [T, 1, head_dim] each (both halves of a head
+    alike), or None for GPT-2's learned positions. Channel pair i turns by pos * theta^(-2i / head_dim) (RoFormer).
+    Llama 3.1 slows the pairs of
     wavelength beyond original / low_freq_factor by `factor`, keeps those under original / high_freq_factor, and
     blends in between. Computed from pos on every call: a model built on meta has no buffer to forget, and a rank
     holding other positions (a pipeline stage, a sequence chunk) passes its own."""
@@ -132,15 +133,16 @@ def rotary_angles(config, pos):
         wavelength = 2 * math.pi / frequency
         kept = ((original / wavelength - low) / (high - low)).clamp(0, 1)  # 0: slowed by factor, 1: kept
         frequency = (1 - kept) * frequency / factor + kept * frequency
-    angles = pos.float()[:, None, None] * frequency
+    angles = pos.float()[:, None, None] * torch.cat([frequency, frequency])
     return angles.cos(), angles.sin()
 
 
 def rotate(x, rope):
-    """Hugging Face's RoPE layout: channel i of each head pairs with channel i + head_dim / 2 (its rotate_half)."""
+    """Hugging Face's RoPE layout: channel i of each head pairs with channel i + head_dim / 2 (its rotate_half). x * cos
+    comes first, so the result keeps x's memory layout (sequence-first under tensor parallelism's sequence shards)."""
     cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x)
 
 
 class CausalSelfAttention(nn.Module):

@@ -143,7 +143,7 @@ def activation_plan(config, layout):
              + (2 * b * (s // shard) * h if config.dropout else 0))  # the two residual dropouts' masks
     vocab_parallel = layout.tp > 1 and layout.loss_parallel  # a softmax over this rank's padded slice, and a mask
     vocab = config.padded_vocab_size // t if vocab_parallel else config.vocab_size
-    positions = s * 8 if config.rope_theta is None else 2 * s * config.head_dim // 2 * 4  # wpe's ids; cos and sin
+    positions = s * 8 if config.rope_theta is None else 2 * s * config.head_dim * 4  # wpe's ids; cos and sin
     embeddings = (b * s * 8 + positions + (b * s if t > 1 else 0)  # the ids, the positions, TP's mask
                   + (b * (s // shard) * h if config.dropout else 0))  # the embedding dropout's mask
     final = norm + b * s * h * e  # the final norm, the LM head's whole input

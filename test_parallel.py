@@ -3477,23 +3477,26 @@ def test_bench_runs_tensor_parallel_on_gpt2_vocabulary_offline(tmp_path):
     assert prepare_data.load_meta(folder)["vocab_size"] == 50257 and tokens.max() > 50000 and tokens.max() < 50257
 
 
-def _residual_stream_copies(sequence_parallel):
-    config = gpt.make_config("tiny", vocab_size=256, block_size=16)
+def _residual_stream_copies(sequence_parallel, model="tiny"):
+    config = gpt.make_config(model, vocab_size=256, block_size=16)
     model = _tensor_parallel_model(config, 0, sequence_parallel)
     idx = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
     with RecordOutputs() as mode:
         model(idx, idx).backward()
     copies = ("clone", "copy", "cat", "stack", "contiguous")
-    return [op.__name__ for op, t in mode.outputs if t.numel() == 4 * 16 * 128 and op.__name__.startswith(copies)]
+    return [op.__name__ for op, t in mode.outputs if t.dim() == 3 and t.numel() == 4 * 16 * 128
+            and op.__name__.startswith(copies)]
 
 
-def test_sequence_parallel_collectives_copy_nothing():
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_sequence_parallel_collectives_copy_nothing(model):
     """Under sequence parallelism the all-gathers and reduce-scatters (4 per block, each way) move the sequence-first
     residual stream as it lies: forward and backward copy a whole [B, T, C] twice only, the LM head's input (made
-    batch-first for the loss) and its gradient. Batch-first shards would need a copy on one side of every collective."""
-    for copies in run_distributed(2, _residual_stream_copies, True):
+    batch-first for the loss) and its gradient. Batch-first shards would need a copy on one side of every collective.
+    Llama's RMSNorm keeps the residual stream sequence-first as LayerNorm does."""
+    for copies in run_distributed(2, _residual_stream_copies, True, model):
         assert copies == ["clone.default"] * 2, copies
-    assert run_distributed(2, _residual_stream_copies, False) == [[], []]  # without it: no copy either
+    assert run_distributed(2, _residual_stream_copies, False, model) == [[], []]  # without it: no copy either
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -4471,13 +4474,13 @@ def test_rotary_angles_are_llama3s():
         plain = hugging_face_rope_frequencies(500000.0, config.head_dim)
         assert ((frequencies == plain / factor).sum(), (frequencies == plain).sum()) == (slowed, kept)
         cos, sin = gpt.rotary_angles(config, pos)
-        angles = pos.float()[:, None] * frequencies
+        angles = pos.float()[:, None] * torch.cat([frequencies, frequencies])  # both halves of a head alike
         torch.testing.assert_close(cos[:, 0], angles.cos(), rtol=0, atol=1e-6)
         torch.testing.assert_close(sin[:, 0], angles.sin(), rtol=0, atol=1e-6)
     x = torch.randn(2, 8, 4, config.head_dim)
-    cos, sin = (torch.cat([t, t], dim=-1) for t in gpt.rotary_angles(config, pos))
+    cos, sin = gpt.rotary_angles(config, pos)
     rotate_half = torch.cat([-x[..., config.head_dim // 2:], x[..., :config.head_dim // 2]], dim=-1)
-    torch.testing.assert_close(gpt.rotate(x, gpt.rotary_angles(config, pos)), x * cos + rotate_half * sin)
+    torch.testing.assert_close(gpt.rotate(x, (cos, sin)), x * cos + rotate_half * sin)
     assert gpt.rotary_angles(gpt.make_config("tiny", 256, 32), pos) is None
 
 
