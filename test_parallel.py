@@ -1451,16 +1451,19 @@ def test_bench_formula_counts_every_collective(strategy, model, corpus, tmp_path
 
 
 @launches_its_own_ranks
-def test_figures_are_drawn_from_real_runs(corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_figures_are_drawn_from_real_runs(corpus, tmp_path, monkeypatch, model):
     """figures.py, small (2 layouts, 3 steps, block 32, DDP's bytes alone): every PNG is written, with the numbers
-    behind them, and those numbers are the runs' (DDP's loss is single's, its bytes its formula)."""
+    behind them, and those numbers are the runs' (DDP's loss is single's, its bytes its formula). With --model
+    llama-tiny the runs train Llama 3's shape and the memory figure plans Llama 3.1 8B."""
     pytest.importorskip("matplotlib")
     import figures
 
     monkeypatch.setattr(figures, "LOSS_RUNS", figures.LOSS_RUNS[:2])  # single and DDP: all five take minutes
     monkeypatch.setattr(figures, "COMM_STRATEGIES", ["ddp"])
     monkeypatch.setattr(figures, "COMM_IMPLS", ["ours"])
-    figures.main(["--steps", "3", "--block_size", "32", "--data", corpus, "--out_dir", str(tmp_path)])
+    figures.main(["--model", model, "--steps", "3", "--block_size", "32", "--data", corpus, "--out_dir",
+                  str(tmp_path)])
     pictures = {"losses.png", "comm_bytes.png", "pipeline.png"} | {f"layout_{strategy}.png" for strategy in figures.LAYOUTS}
     assert pictures | {"figures.json"} <= set(os.listdir(tmp_path))
     assert all((tmp_path / name).read_bytes()[:4] == b"\x89PNG" for name in pictures)
@@ -1468,6 +1471,7 @@ def test_figures_are_drawn_from_real_runs(corpus, tmp_path, monkeypatch):
     assert len(numbers["losses"]["DDP"]) == 3 and numbers["max_loss_difference"]["DDP"] < 1e-5
     ddp = numbers["comm_bytes"]["ddp"]
     assert ddp["ours"] == pytest.approx(sum(size for _, _, size in ddp["terms"]), rel=0.01)
+    assert any(label.startswith("2-D + SP\ntp 8") for label in numbers["memory"]) == (model == "llama-tiny")
 
 
 def test_bench_classifies_collectives_of_both_backends():
