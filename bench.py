@@ -5,7 +5,7 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py --strategies ddp,fsdp --steps 30 --rounds 3
     python bench.py --model gpt2 --block_size 1024 --global_batch 32 --device cuda --dtype bfloat16 --compile
     python bench.py --strategies tp --model gpt2-medium --vocab_size 50257 --sequence_parallel   # GPT-2's vocabulary
-    python bench.py --strategies fsdp,tp,2d --model llama-tiny      # Llama 3's shape (--vocab_size 128256: its vocabulary)
+    python bench.py --strategies fsdp,tp,2d --model llama-tiny       # Llama 3: --vocab_size 128256 for its vocabulary
     python bench.py --gpu_check --device cuda --json gpu.json   # a GPU machine's first check: runs gpu_check.py
     python bench.py --checkpointing                  # what --activation_checkpointing costs and saves, per strategy
     python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (plan.py's)
