@@ -5,7 +5,7 @@ here: strategies are applied to the model from outside (train_ddp.py, train_fsdp
 train_pp.py) and it runs unchanged under them; what every training script needs that is not the model lives in
 training.py, and pretrained weights in the Hugging Face format are read by hugging_face.py.
 
-Llama 3 is GPT-2 with five changes, each a config field: RMSNorm for LayerNorm, rotary position angles (RoPE) in
+Llama 3 is GPT-2 with these changes, each a config field: RMSNorm for LayerNorm, rotary position angles (RoPE) in
 attention for the learned position table, a SwiGLU MLP (a third matrix, the gate), grouped-query attention (fewer
 key/value heads than query heads), no biases, and an LM head that may be a matrix of its own. The module names stay
 GPT-2's, so every strategy, checkpoint and test reads both families by the same names.
@@ -121,10 +121,9 @@ def norm(config):
 def rotary_angles(config, pos):
     """(cos, sin) of the rotary angles of the tokens at positions pos, [T, 1, head_dim] each (both halves of a head
     alike), or None for GPT-2's learned positions. Channel pair i turns by pos * theta^(-2i / head_dim) (RoFormer).
-    Llama 3.1 slows the pairs of
-    wavelength beyond original / low_freq_factor by `factor`, keeps those under original / high_freq_factor, and
-    blends in between. Computed from pos on every call: a model built on meta has no buffer to forget, and a rank
-    holding other positions (a pipeline stage, a sequence chunk) passes its own."""
+    Llama 3.1 slows the pairs of wavelength beyond original / low_freq_factor by `factor`, keeps those under
+    original / high_freq_factor, and blends in between. Computed from pos on every call: a model built on meta has no
+    buffer to forget, and a rank holding other positions (a pipeline stage, a sequence chunk) passes its own."""
     if config.rope_theta is None:
         return None
     frequency = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, device=pos.device) / config.head_dim)
