@@ -6,6 +6,7 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py --strategies ddp,zero1,zero2,fsdp,hsdp   # the ZeRO ladder: each rank's model states and bytes
     python bench.py --model gpt2 --block_size 1024 --global_batch 32 --device cuda --dtype bfloat16 --compile
     python bench.py --strategies tp --model gpt2-medium --vocab_size 50257 --sequence_parallel   # GPT-2's vocabulary
+    python bench.py --strategies fsdp,tp,2d --model llama-tiny       # Llama 3: --vocab_size 128256 for its vocabulary
     python bench.py --gpu_check --device cuda --json gpu.json   # a GPU machine's first check: runs gpu_check.py
     python bench.py --checkpointing                  # what --activation_checkpointing costs and saves, per strategy
     python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (plan.py's)
@@ -326,10 +327,11 @@ def synthetic_data(folder, vocab_size, num_tokens=2_000_000, seed=0):
 
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(seed)
+    dtype = prepare_data.token_dtype(vocab_size)  # uint32 for Llama 3's 128,256
     for split, count in (("train", num_tokens), ("val", num_tokens // 10)):
-        rng.integers(0, vocab_size, size=count, dtype=np.uint16).tofile(os.path.join(folder, f"{split}.bin"))
+        rng.integers(0, vocab_size, size=count, dtype=dtype).tofile(os.path.join(folder, f"{split}.bin"))
     with open(os.path.join(folder, "meta.json"), "w") as f:
-        json.dump({"tokenizer": "gpt2", "vocab_size": vocab_size, "source": "synthetic"}, f)
+        json.dump({"tokenizer": "gpt2", "vocab_size": vocab_size, "dtype": dtype, "source": "synthetic"}, f)
     return folder
 
 

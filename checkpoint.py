@@ -250,7 +250,7 @@ class Checkpoint:
 
     def check(self, config, shapes):
         """Refuse, before anything is loaded, a checkpoint of another model or one with missing pieces."""
-        if self.meta["config"] != asdict(config):
+        if type(config)(**self.meta["config"]) != config:  # a field added since it was saved takes its default
             raise training.UsageError(f"checkpoint {self.path!r} is of another model: {self.meta['config']} vs this "
                                       f"run's {asdict(config)}; use a new --out_dir, or the --model, --block_size "
                                       "and --dropout it was saved with")

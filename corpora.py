@@ -54,7 +54,7 @@ def shakespeare(tokenizer, write_split):
     cut = int(0.9 * len(text))
     counts = {}
     for split, part in (("train", text[:cut]), ("val", text[cut:])):
-        counts[split] = write_split(split, [np.array(tokenizer.encode(part), dtype=np.uint16)])
+        counts[split] = write_split(split, [np.array(tokenizer.encode(part), dtype=tokenizer.dtype)])
     return counts
 
 
@@ -78,8 +78,8 @@ def tokenize_dataset(dataset, tokenizer, num_proc, val_fraction, source, write_s
             return {"ids": [np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint16) for text in batch["text"]]}
         return {"ids": [tokenizer.encode(text) + end for text in batch["text"]]}
 
-    # uint16 in the Arrow files already: each written batch is then one flat buffer of token ids, no Python loop.
-    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("uint16"))})
+    # The token files' type in the Arrow files already: each written batch is then one flat buffer of ids, no loop.
+    features = datasets.Features({"ids": datasets.Sequence(datasets.Value(tokenizer.dtype))})
     counts = {}
     for name, part in (("train", split["train"]), ("val", split["test"])):
         part = part.map(encode, batched=True, features=features, remove_columns=part.column_names,

@@ -3,13 +3,15 @@ The README's figures, drawn from real runs. Needs matplotlib, an optional extra 
 
     python figures.py                                    # every figure into figures/ (tiny model, CPU)
     python figures.py --steps 20 --block_size 32 --out_dir /tmp/figures          # a quick, small version
+    python figures.py --model llama-tiny --out_dir /tmp/figures-llama     # the runs' figures on Llama 3's shape
 
 losses.png      the training loss of single, DDP, FSDP, TP with sequence parallelism and 2-D over the same run
                 (the default run: 300 steps), overlaid, and each layout's |difference| from single, log scale
 comm_bytes.png  the bytes one rank sends per step through collectives: measured by bench.py (ours and PyTorch's),
                 against plan.comm_formula, stacked by the formula's collectives
 memory.png      memory per rank of GPT-2 124M on 8 GPUs by strategy, stacked by kind (plan.plan_memory, the
-                planner that --plan prints and the tests hold to real runs)
+                planner that --plan prints and the tests hold to real runs); with --model llama-tiny, Llama 3.1 8B's
+                (block 8192, micro-batch 1) on 8 GPUs, whose 8 key/value heads allow t = 8
 layout_*.png    who holds what: every rank's part of each tensor of a 1-layer model, as the scripts build it,
                 with the collectives of one step
 figures.json    the numbers behind them
@@ -48,14 +50,22 @@ COMM_IMPLS = ["ours", "torch"]
 MEMORY_LAYOUTS = [("DDP\n8", dict(strategy="ddp", dp=8, tp=1)), ("FSDP\n8", dict(strategy="fsdp", dp=8, tp=1)),
                   ("2-D + SP\ntp 2 x dp 4", dict(strategy="2d", dp=4, tp=2, sequence_parallel=True)),
                   ("2-D + SP\ntp 4 x dp 2", dict(strategy="2d", dp=2, tp=4, sequence_parallel=True))]
+# The memory figure of each family: (model, vocabulary, block, micro-batch, title, layouts). Llama 3.1 8B's 8 key/value
+# heads allow tensor parallelism 8 wide.
+MEMORY_FIGURES = {
+    "gpt2": ("gpt2", 50257, 1024, 8, "GPT-2 124M on 8 GPUs, block 1024, micro-batch 8", MEMORY_LAYOUTS),
+    "llama": ("llama3.1-8b", 128256, 8192, 1, "Llama 3.1 8B on 8 GPUs, block 8192, micro-batch 1",
+              MEMORY_LAYOUTS[:2] + [("2-D + SP\ntp 8 x dp 1", dict(strategy="2d", dp=1, tp=8,
+                                                                       sequence_parallel=True))]),
+}
 EQUAL = 1e-8  # where the loss-difference panel draws an exact 0
 COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#000000"]
 
 
 def loss_curves(args, tmp):
     """{layout: [(step, loss)]} of the same run under every layout."""
-    flags = ["--data", args.data, "--block_size", str(args.block_size), "--max_steps", str(args.steps),
-             "--log_interval", "1", "--sample_tokens", "0", "--ckpt_interval", "0", "--device", "cpu"]
+    flags = ["--model", args.model, "--data", args.data, "--block_size", str(args.block_size), "--max_steps",
+             str(args.steps), "--log_interval", "1", "--sample_tokens", "0", "--ckpt_interval", "0", "--device", "cpu"]
     flags += ["--warmup_steps", str(min(30, args.steps)), "--lr", "1e-3", "--min_lr", "1e-4"]  # the figure's schedule
     curves = {}
     for name, script, ranks, extra in LOSS_RUNS:
@@ -69,7 +79,7 @@ def loss_curves(args, tmp):
 
 def comm_bytes(args, tmp):
     """{strategy: {"ours", "torch": measured bytes, "terms": [[kind, what, bytes]]}} for one step of each."""
-    bench_args = argparse.Namespace(model="tiny", data=args.data, block_size=args.block_size, global_batch=16,
+    bench_args = argparse.Namespace(model=args.model, data=args.data, block_size=args.block_size, global_batch=16,
                                     steps=args.comm_steps, warmup=0, device="cpu", dtype="float32", compile=False,
                                     threads=1, bucket_mb=25, sequence_parallel=False)
     table, result = bench.strategies(bench_args), {}
@@ -85,7 +95,7 @@ def comm_bytes(args, tmp):
 def pipeline_timeline(args, tmp):
     """{schedule: [per stage: {"waits": [(start, end)], "step_s"}]}: one step of train_pp.py on 2 stages, 4
     micro-batches, from bench_pipeline.py's measurement (bench.py --pipeline)."""
-    bench_args = argparse.Namespace(model="tiny", data=args.data, block_size=args.block_size, global_batch=8,
+    bench_args = argparse.Namespace(model=args.model, data=args.data, block_size=args.block_size, global_batch=8,
                                     micro_batch=2, steps=8, warmup=3, device="cpu", dtype="float32", compile=False,
                                     threads=1)
     rows = [row for row in bench_pipeline.measure(bench_args, tmp) if row["impl"] == "ours"]
@@ -167,12 +177,13 @@ def draw_comm(plt, comm, block_size, path):
     plt.close(figure)
 
 
-def memory_rows(micro_batch=8):
-    """{label: [(item, bytes)]}: plan.plan_memory of one rank for GPT-2 124M on 8 GPUs, bf16, block 1024, each
-    layout without and with activation checkpointing (AC)."""
-    config = gpt.make_config("gpt2", 50257, 1024)
+def memory_rows(family="gpt2"):
+    """{label: [(item, bytes)]}: plan.plan_memory of one rank of MEMORY_FIGURES[family] on 8 GPUs, bf16, each layout
+    without and with activation checkpointing (AC)."""
+    preset, vocab_size, block_size, micro_batch, _, layouts = MEMORY_FIGURES[family]
+    config = gpt.make_config(preset, vocab_size, block_size)
     rows = {}
-    for label, strategy in MEMORY_LAYOUTS:
+    for label, strategy in layouts:
         for checkpointing in (False, True):
             layout = plan.Layout(world_size=8, micro_batch=micro_batch, dtype="bfloat16",
                                  activation_checkpointing=checkpointing, **strategy)
@@ -181,7 +192,7 @@ def memory_rows(micro_batch=8):
     return rows
 
 
-def draw_memory(plt, rows, path):
+def draw_memory(plt, rows, path, title=MEMORY_FIGURES["gpt2"][4]):
     figure, axis = plt.subplots(figsize=(13, 5))
     items = list(dict.fromkeys(item for layout in rows.values() for item, _ in layout))
     bottoms = [0.0] * len(rows)
@@ -193,8 +204,7 @@ def draw_memory(plt, rows, path):
     axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     axis.set_ylabel("GB per rank (10^9 bytes)")
     axis.set_ylim(0, 1.08 * max(bottoms))
-    axis.set_title("One rank's plan: GPT-2 124M on 8 GPUs, block 1024, micro-batch 8, bf16 (plan.plan_memory)",
-                   fontsize=9)
+    axis.set_title(f"One rank's plan: {title}, bf16 (plan.plan_memory)", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -359,6 +369,8 @@ def main(argv=None):
     p.add_argument("--out_dir", default=os.path.join(HERE, "figures"), help="where the PNGs and figures.json go")
     p.add_argument("--data", default=training.DEFAULT_DATA_DIR, help="prepared data folder (default: the embedded "
                    "corpus, built on first use)")
+    p.add_argument("--model", default="tiny", choices=["tiny", "llama-tiny"],
+                   help="the runs' model; llama-tiny: Llama 3's shape, and Llama 3.1 8B's memory figure")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of the loss curves' runs")
     p.add_argument("--block_size", type=int, default=128, help="context length of every run")
     p.add_argument("--comm_steps", type=int, default=3, help="steps of each run whose last step's bytes are read")
@@ -393,8 +405,9 @@ def main(argv=None):
         if "pipeline" not in numbers:  # a figures.json from before the pipeline's figure: run it
             numbers["pipeline"] = pipeline_timeline(args, tmp)
         draw_pipeline(plt, numbers["pipeline"], os.path.join(args.out_dir, "pipeline.png"))
-    numbers["memory"] = memory_rows()
-    draw_memory(plt, numbers["memory"], os.path.join(args.out_dir, "memory.png"))
+    family = "llama" if args.model.startswith("llama") else "gpt2"
+    numbers["memory"] = memory_rows(family)
+    draw_memory(plt, numbers["memory"], os.path.join(args.out_dir, "memory.png"), MEMORY_FIGURES[family][4])
     reference = dict(numbers["losses"]["single"])
     numbers["max_loss_difference"] = {name: max(abs(loss - reference[step]) for step, loss in curve)
                                       for name, curve in numbers["losses"].items() if name != "single"}

@@ -1,12 +1,18 @@
 """
-The GPT-2 model, and only the model: config presets, the modules, weight init by parameter name, the FLOPs
-count, and sampling. Reads like nanoGPT's model.py. There is no torch.distributed code here: strategies are
-applied to the model from outside (train_ddp.py, train_fsdp.py, train_tp.py, train_2d.py) and it runs unchanged
-under them; what every training script needs that is not the model lives in training.py, and GPT-2's pretrained
-weights are read by hugging_face.py.
+The model, and only the model: GPT-2 and Llama 3 as one family, config presets, the modules, weight init by
+parameter name, the FLOPs count, and sampling. Reads like nanoGPT's model.py. There is no torch.distributed code
+here: strategies are applied to the model from outside (train_ddp.py, train_fsdp.py, train_tp.py, train_2d.py,
+train_pp.py) and it runs unchanged under them; what every training script needs that is not the model lives in
+training.py, and pretrained weights in the Hugging Face format are read by hugging_face.py.
 
-Top to bottom: the config and its presets; attention, MLP, block and GPT; the loss over the real vocabulary; every
-parameter's initial value by name; the attention kernel's choice; generate; and the FLOPs per token behind MFU.
+Llama 3 is GPT-2 with these changes, each a config field: RMSNorm for LayerNorm, rotary position angles (RoPE) in
+attention for the learned position table, a SwiGLU MLP (a third matrix, the gate), grouped-query attention (fewer
+key/value heads than query heads), no biases, and an LM head that may be a matrix of its own. The module names stay
+GPT-2's, so every strategy, checkpoint and test reads both families by the same names.
+
+Top to bottom: the config and its presets; the norms, rotary angles, attention, MLP, block and GPT; the loss over the
+real vocabulary; every parameter's initial value by name; the attention kernel's choice; generate; and the FLOPs per
+token behind MFU.
 """
 
 import hashlib
@@ -33,6 +39,19 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+    # Llama 3's changes; the defaults are GPT-2's
+    n_kv_head: int = None  # key/value heads, each shared by n_head / n_kv_head query heads (None: n_head, GPT-2)
+    mlp_hidden: int = None  # the MLP's hidden width (None: GPT-2's 4 x n_embd)
+    swiglu: bool = False  # SiLU(gate(x)) * fc(x) (Llama) instead of GELU(fc(x)) (GPT-2)
+    rms_norm: bool = False  # RMSNorm (no mean subtracted, no bias) instead of LayerNorm
+    norm_eps: float = 1e-5
+    rope_theta: float = None  # rotary position angles' base (Llama 3: 500,000); None: GPT-2's learned table wpe
+    rope_scaling: tuple = None  # Llama 3.1's: (factor, low_freq_factor, high_freq_factor, original context)
+    tie_embeddings: bool = True  # the LM head is wte (GPT-2, Llama 3.2 1B, 3B), else a [vocab, n_embd] of its own
+
+    def __post_init__(self):
+        self.n_kv_head = self.n_kv_head or self.n_head
+        self.mlp_hidden = self.mlp_hidden or 4 * self.n_embd
 
     @property
     def padded_vocab_size(self):
@@ -43,6 +62,12 @@ class GPTConfig:
     def head_dim(self):
         return self.n_embd // self.n_head
 
+
+# Llama 3 (Grattafiori et al. 2024, table 3; Hugging Face's config.json of each; vocabulary 128,256). RoPE scaling
+# (factor, low frequency factor, high, original context): 3.1's stretches 8 times, 3.2's 32; 3.2 1B and 3B are tied.
+LLAMA3 = dict(bias=False, swiglu=True, rms_norm=True, rope_theta=500000.0, n_kv_head=8)
+LLAMA31 = dict(LLAMA3, rope_scaling=(8.0, 1.0, 4.0, 8192), tie_embeddings=False)
+LLAMA32 = dict(LLAMA3, rope_scaling=(32.0, 1.0, 4.0, 8192))
 
 PRESETS = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # ~0.9M parameters with the byte vocabulary: trains on a laptop CPU
@@ -61,6 +86,12 @@ PRESETS = {
     "gpt3-6.7b": dict(n_layer=32, n_head=32, n_embd=4096),
     "gpt3-13b": dict(n_layer=40, n_head=40, n_embd=5120),
     "gpt3-175b": dict(n_layer=96, n_head=96, n_embd=12288),
+    "llama-tiny": dict(LLAMA31, n_layer=4, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384),  # 0.85M, bytes
+    "llama3.2-1b": dict(LLAMA32, n_layer=16, n_head=32, n_embd=2048, mlp_hidden=8192),  # 1.24B
+    "llama3.2-3b": dict(LLAMA32, n_layer=28, n_head=24, n_embd=3072, mlp_hidden=8192),  # 3.21B
+    "llama3.1-8b": dict(LLAMA31, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=14336),  # 8.03B
+    "llama3.1-70b": dict(LLAMA31, n_layer=80, n_head=64, n_embd=8192, mlp_hidden=28672),  # 70.6B
+    "llama3.1-405b": dict(LLAMA31, n_layer=126, n_head=128, n_embd=16384, mlp_hidden=53248),  # 405.9B
 }
 
 
@@ -68,9 +99,49 @@ def make_config(preset, vocab_size, block_size, dropout=0.0):
     if preset not in PRESETS:
         raise ValueError(f"unknown --model {preset!r}: choose one of {', '.join(PRESETS)}")
     config = GPTConfig(vocab_size=vocab_size, block_size=block_size, dropout=dropout, **PRESETS[preset])
+    check_config(config)
+    return config
+
+
+def check_config(config):
     if config.n_embd % config.n_head:
         raise ValueError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
-    return config
+    if config.n_head % config.n_kv_head:
+        raise ValueError(f"n_head {config.n_head} is not divisible by n_kv_head {config.n_kv_head}")
+
+
+def norm(config):
+    """GPT-2's LayerNorm or Llama's RMSNorm, which scales each token to unit root mean square without subtracting
+    the mean: a gain per channel either way, named weight."""
+    if config.rms_norm:
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+def rotary_angles(config, pos):
+    """(cos, sin) of the rotary angles of the tokens at positions pos, [T, 1, head_dim] each (both halves of a head
+    alike), or None for GPT-2's learned positions. Channel pair i turns by pos * theta^(-2i / head_dim) (RoFormer).
+    Llama 3.1 slows the pairs of wavelength beyond original / low_freq_factor by `factor`, keeps those under
+    original / high_freq_factor, and blends in between. Computed from pos on every call: a model built on meta has no
+    buffer to forget, and a rank holding other positions (a pipeline stage, a sequence chunk) passes its own."""
+    if config.rope_theta is None:
+        return None
+    frequency = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, device=pos.device) / config.head_dim)
+    if config.rope_scaling:
+        factor, low, high, original = config.rope_scaling
+        wavelength = 2 * math.pi / frequency
+        kept = ((original / wavelength - low) / (high - low)).clamp(0, 1)  # 0: slowed by factor, 1: kept
+        frequency = (1 - kept) * frequency / factor + kept * frequency
+    angles = pos.float()[:, None, None] * torch.cat([frequency, frequency])
+    return angles.cos(), angles.sin()
+
+
+def rotate(x, rope):
+    """Hugging Face's RoPE layout: channel i of each head pairs with channel i + head_dim / 2 (its rotate_half). x * cos
+    comes first, so the result keeps x's memory layout (sequence-first under tensor parallelism's sequence shards)."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -79,51 +150,62 @@ class CausalSelfAttention(nn.Module):
         # Separate q, k and v projections: tensor parallelism splits each by output rows, and rows
         # [h * head_dim, (h + 1) * head_dim) are exactly head h, so a rank's slice is its own heads. A fused
         # qkv weight would interleave q, k and v in one row range and need a reshuffle before sharding.
+        # Grouped-query attention: key and value have n_kv_head heads, each read by n_head / n_kv_head query heads.
+        kv_width = config.n_kv_head * config.head_dim
         self.query = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.key = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.value = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.key = nn.Linear(config.n_embd, kv_width, bias=config.bias)
+        self.value = nn.Linear(config.n_embd, kv_width, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.head_dim = config.head_dim
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.use_flash = False  # set by set_attention()
 
-    def forward(self, x):
+    def forward(self, x, rope=None):
         q, k, v = self.query(x), self.key(x), self.value(x)
         # Sizes come from q, not x, and heads are inferred (-1): under tensor parallelism q holds only this
         # rank's heads, and under sequence parallelism x holds only a slice of the sequence.
         B, T, _ = q.shape
         q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
+        if rope is not None:  # Llama: positions enter as rotations of q and k, so scores depend on distance only
+            q, k = rotate(q, rope), rotate(k, rope)
         dropout = self.dropout if self.training else 0.0
-        if self.use_flash:
+        if self.use_flash:  # flash-attn shares each key/value head among its query heads itself
             y = flash_attn_func(q, k, v, dropout_p=dropout, causal=True)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                               enable_gqa=k.shape[1] != q.shape[1]).transpose(1, 2)
         return self.resid_dropout(self.proj(y.reshape(B, T, -1)))
 
 
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        # SwiGLU (Llama): a third matrix, gate, whose SiLU scales fc's output ("up") element by element
+        self.gate = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias) if config.swiglu else None
+        self.fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+        if self.gate is None:
+            hidden = F.gelu(self.fc(x), approximate="tanh")
+        else:
+            hidden = F.silu(self.gate(x)) * self.fc(x)
+        return self.dropout(self.proj(hidden))
 
 
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, rope=None):
+        x = x + self.attn(self.ln_1(x), rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -132,20 +214,26 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.rope_theta is None else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_f = norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: named_parameters() lists it once, as wte.weight
+        self.tie_weights()
         # An attribute, not a call inside forward, so tensor parallelism can swap in its vocab-parallel loss.
         self.loss_fn = partial(cross_entropy, vocab_size=config.vocab_size)
 
-    def forward(self, idx, targets=None):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+    def forward(self, idx, targets=None, pos=None):
+        """pos: the tokens' positions (default 0 .. T - 1); a rank that holds chunks of a longer sequence passes
+        theirs, and the learned table or the rotary angles follow them."""
+        pos = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(pos)
+        x = self.drop(x)
+        rope = rotary_angles(self.config, pos)  # once for every block
         for block in self.blocks:
-            x = block(x)
+            x = block(x, rope)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
@@ -157,14 +245,24 @@ class GPT(nn.Module):
         shape) where given (training.initial_values: the one source every layout reads, pretrained weights too).
         Works on a model built on `meta` and materialised with to_empty(), and gives the same numbers as on a model
         built directly."""
-        self.lm_head.weight = self.wte.weight  # to_empty() gives each module its own tensor: tie them again
+        self.tie_weights()  # to_empty() gives each module its own tensor
         value = value or partial(initial_value, config=self.config, seed=seed)
         for name, param in self.named_parameters():
             param.copy_(value(name, param.shape))
 
-    def num_params(self, with_position_embedding=True):
+    def tie_weights(self):
+        """A tied LM head is wte itself: named_parameters() lists it once, as wte.weight."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def num_params(self, with_embeddings=True):
+        """Every parameter, or only those a token is multiplied by: no wpe, and no wte where the LM head is a matrix
+        of its own (a token only looks wte up)."""
         n = sum(p.numel() for p in self.parameters())
-        return n if with_position_embedding else n - self.wpe.weight.numel()
+        if with_embeddings:
+            return n
+        looked_up = [self.wpe] + [self.wte] * (not self.config.tie_embeddings)
+        return n - sum(module.weight.numel() for module in looked_up if module is not None)
 
 
 def cross_entropy(logits, targets, vocab_size):
@@ -217,8 +315,10 @@ def generate(model, idx, max_new_tokens, block_size, vocab_size, temperature=0.8
 
 
 def flops_per_token(config, num_params):
-    """6N + 12·L·H·Q·T (PaLM, appendix B): 6N for the matmuls of forward and backward with N the parameters
-    without position embeddings (the tied embedding counts once, as the LM head's matmul), and 12·L·H·Q·T
-    for attention scores and values, with H heads of size Q over a context of T tokens."""
+    """6N + 12·L·H·Q·T (PaLM, appendix B): 6N for the matmuls of forward and backward, N = num_params(
+    with_embeddings=False): the weights a token is multiplied by, SwiGLU's three matrices and grouped-query
+    attention's smaller key and value among them, the LM head once (tied, it is wte), no position table; and
+    12·L·H·Q·T for attention scores and values over the H query heads of size Q (each computes its own, whatever
+    key/value head it shares) and a context of T tokens."""
     c = config
     return 6 * num_params + 12 * c.n_layer * c.n_head * c.head_dim * c.block_size

@@ -1,7 +1,9 @@
 """
-GPT-2's weights in the Hugging Face format (config.json and model.safetensors), for --init_from: a local folder or
-a hub model, opened by its names and shapes alone, each rank reading only the parts it holds, and Hugging Face's
-names and layouts mapped to gpt.py's. Imported only under --init_from (training.load_data, initial_values).
+Pretrained weights in the Hugging Face format, for --init_from: GPT-2 (GPT2LMHeadModel) and Llama 3
+(LlamaForCausalLM), from a local folder or a hub model. config.json, and model.safetensors or its shards
+(model-0000k-of-0000N.safetensors, named tensor by tensor in model.safetensors.index.json), opened by their names and
+shapes alone: each rank maps only the files that hold its parts and reads only its rows. Hugging Face's names and
+layouts are mapped to gpt.py's. Imported only under --init_from (training.load_data, initial_values).
 """
 
 import json
@@ -22,10 +24,21 @@ HUGGING_FACE_LINEARS = {"attn.query": ("attn.c_attn", 0), "attn.key": ("attn.c_a
                         "attn.value": ("attn.c_attn", 2), "attn.proj": ("attn.c_proj", 0),
                         "mlp.fc": ("mlp.c_fc", 0), "mlp.proj": ("mlp.c_proj", 0)}
 
+# Llama's modules under our names: blocks.i.<ours> is model.layers.i.<theirs>. Its linear weights are nn.Linear's
+# [out, in], as ours. Hugging Face's conversion of Meta's weights permuted the rows of q and k for its rotary
+# convention (rotate_half: channel i of a head pairs with channel i + head_dim / 2), which gpt.rotate follows: no row
+# is moved here.
+LLAMA_MODULES = {"ln_1": "input_layernorm", "attn.query": "self_attn.q_proj", "attn.key": "self_attn.k_proj",
+                 "attn.value": "self_attn.v_proj", "attn.proj": "self_attn.o_proj", "ln_2": "post_attention_layernorm",
+                 "mlp.gate": "mlp.gate_proj", "mlp.fc": "mlp.up_proj", "mlp.proj": "mlp.down_proj"}
+
 
 def config_from_hugging_face(hf, block_size, dropout):
-    """The GPTConfig of a Hugging Face GPT-2 config.json (a dict), with a context of block_size <= its n_positions (a
-    shorter one keeps the first positions' embeddings). Refuses a config this model would not compute as GPT-2 does."""
+    """The GPTConfig of a Hugging Face config.json (a dict), GPT-2's or Llama's, with a context of block_size <= its
+    n_positions (a shorter one keeps the first positions' embeddings). Refuses a config this model would not compute
+    as GPT-2 does."""
+    if hf.get("model_type") == "llama":
+        return llama_config(hf, block_size, dropout)
     missing = [key for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size") if key not in hf]
     if missing:
         raise ValueError(f"config.json has no {', '.join(missing)}: it is not a GPT-2 config")
@@ -34,25 +47,60 @@ def config_from_hugging_face(hf, block_size, dropout):
                "scale_attn_by_inverse_layer_idx": (False,), "tie_word_embeddings": (True,)}
     unlike = [f"{key} {hf[key]!r}" for key, values in allowed.items() if key in hf and hf[key] not in values]
     if unlike:
-        raise ValueError(f"config.json has {', '.join(unlike)}: gpt.py computes GPT-2 only; use a GPT-2 checkpoint")
+        raise ValueError(f"config.json has {', '.join(unlike)}: gpt.py computes GPT-2 and Llama 3 only; use a GPT-2 "
+                         "or Llama 3 checkpoint")
     if block_size > hf["n_positions"]:
         raise ValueError(f"--block_size {block_size} is longer than its n_positions {hf['n_positions']}: "
                          f"pass --block_size {hf['n_positions']} or less")
     config = gpt.GPTConfig(block_size=block_size, vocab_size=hf["vocab_size"], n_layer=hf["n_layer"], n_head=hf["n_head"],
                        n_embd=hf["n_embd"], dropout=dropout)
-    if config.n_embd % config.n_head:
-        raise ValueError(f"config.json: n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
+    gpt.check_config(config)
+    return config
+
+
+def llama_config(hf, block_size, dropout):
+    """The GPTConfig of a LlamaForCausalLM's config.json, its absent keys taking LlamaConfig's defaults. The rotary
+    settings are rope_theta and rope_scaling at the top level, as the hub's Llama 3.1 and 3.2 repositories write them,
+    or one rope_parameters entry, as newer transformers writes it."""
+    keys = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "max_position_embeddings",
+            "vocab_size")
+    missing = [key for key in keys if key not in hf]
+    if missing:
+        raise ValueError(f"config.json has no {', '.join(missing)}: it is not a Llama config")
+    rope = hf.get("rope_parameters") or dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    allowed = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,), "pretraining_tp": (1,),
+               "head_dim": (hf["hidden_size"] // hf["num_attention_heads"],)}
+    unlike = [f"{key} {hf[key]!r}" for key, values in allowed.items() if key in hf and hf[key] not in values]
+    unlike += [f"rope_type {rope_type!r}"] * (rope_type not in ("default", "llama3"))
+    if unlike:
+        raise ValueError(f"config.json has {', '.join(unlike)}: gpt.py computes Llama 3 (SiLU, no biases, head_dim = "
+                         "hidden_size / num_attention_heads, rope_type default or llama3); use a Llama 3 checkpoint")
+    if block_size > hf["max_position_embeddings"]:
+        raise ValueError(f"--block_size {block_size} is longer than its max_position_embeddings "
+                         f"{hf['max_position_embeddings']}: pass --block_size {hf['max_position_embeddings']} or less")
+    scaling = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+               int(rope["original_max_position_embeddings"])) if rope_type == "llama3" else None
+    config = gpt.GPTConfig(block_size=block_size, vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"],
+                           n_head=hf["num_attention_heads"], n_embd=hf["hidden_size"], dropout=dropout, bias=False,
+                           n_kv_head=hf.get("num_key_value_heads"), mlp_hidden=hf["intermediate_size"], swiglu=True,
+                           rms_norm=True, norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(rope["rope_theta"]),
+                           rope_scaling=scaling, tie_embeddings=hf.get("tie_word_embeddings", False))
+    gpt.check_config(config)
     return config
 
 
 def hugging_face_box(name, box, config):
-    """Where the box of parameter `name` lies in a Hugging Face GPT-2 checkpoint: (the stored tensor's name, the box
-    of it that holds ours, whether ours is that box transposed). blocks.i is h.i; query, key and value are thirds of
-    c_attn's columns; wte stores the tokenizer's vocabulary only, so the box stops at vocab_size (our padding rows are
-    not stored); the LM head is tied to wte, as in GPT-2, and never read."""
-    if name == "wte.weight":
+    """Where the box of parameter `name` lies in a Hugging Face checkpoint: (the stored tensor's name, the box of it
+    that holds ours, whether ours is that box transposed). wte and an untied LM head store the tokenizer's vocabulary
+    only, so the box stops at vocab_size (our padding rows are not stored); a tied LM head is wte and never read.
+    A model with rotary positions is a Llama (llama_name). GPT-2's blocks.i is h.i; query, key and value are thirds
+    of c_attn's columns."""
+    if name in ("wte.weight", "lm_head.weight"):
         (start, stop), columns = box
-        return name, ((min(start, config.vocab_size), min(stop, config.vocab_size)), columns), False
+        box = ((min(start, config.vocab_size), min(stop, config.vocab_size)), columns)
+    if config.rope_theta is not None:
+        return llama_name(name), box, False
     if not name.startswith("blocks."):
         return name, box, False  # wpe (its first block_size rows), ln_f
     _, layer, rest = name.split(".", 2)
@@ -65,10 +113,19 @@ def hugging_face_box(name, box, config):
     return f"h.{layer}.{stored}.{kind}", (*columns, outputs), kind == "weight"
 
 
+def llama_name(name):
+    """A LlamaForCausalLM's name for our parameter `name`."""
+    if not name.startswith("blocks."):
+        return {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}.get(name, name)
+    _, layer, rest = name.split(".", 2)
+    module, _, kind = rest.rpartition(".")
+    return f"model.layers.{layer}.{LLAMA_MODULES[module]}.{kind}"
+
+
 def read_hugging_face(name, box, config, read):
-    """The box of parameter `name` from a Hugging Face GPT-2 checkpoint, reading nothing else: read(stored name, box)
-    gives stored[box] (training.HuggingFaceCheckpoint copies just that region out of the file). Padding rows of wte
-    are zeros: no token ever looks them up, and the loss and sampling leave their classes out."""
+    """The box of parameter `name` from a Hugging Face checkpoint, reading nothing else: read(stored name, box) gives
+    stored[box] (HuggingFaceCheckpoint copies just that region out of its file). Padding rows of wte and of an untied
+    LM head are zeros: no token ever looks them up, and the loss and sampling leave their classes out."""
     stored, stored_box, transposed = hugging_face_box(name, box, config)
     value = read(stored, stored_box).float()
     value = value.t() if transposed else value
@@ -77,41 +134,60 @@ def read_hugging_face(name, box, config, read):
 
 
 def pretrained_folder(name_or_path):
-    """A folder in the Hugging Face format: a local one, or a hub model's (gpt2 ... gpt2-xl, any GPT-2 repository)
-    downloaded into huggingface_hub's cache (under $HF_HOME; with HF_HUB_OFFLINE=1 only the cache is read)."""
+    """A folder in the Hugging Face format: a local one, or a hub model's (gpt2 ... gpt2-xl, meta-llama/Llama-3.2-1B,
+    ...) downloaded into huggingface_hub's cache (under $HF_HOME; with HF_HUB_OFFLINE=1 only the cache is read)."""
     if os.path.isdir(name_or_path):
         return name_or_path
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(name_or_path, allow_patterns=["config.json", "model.safetensors"])
+        return snapshot_download(name_or_path, allow_patterns=["config.json", "model*.safetensors",
+                                                               "model.safetensors.index.json"])
     except Exception as error:
         raise UsageError(f"--init_from {name_or_path!r} is no local folder, and the Hugging Face hub did not give it "
                          f"({type(error).__name__}): pass a folder with config.json and model.safetensors, or download "
-                         f"it where the network allows (hf download {name_or_path} config.json model.safetensors) "
-                         "into the cache $HF_HOME names") from error
+                         f"it where the network allows (hf download {name_or_path} --include config.json "
+                         "'model*.safetensors*') into the cache $HF_HOME names") from error
+
+
+def safetensors_shapes(path):
+    """{tensor name: shape} from a safetensors file's header (8 bytes giving its length, then JSON), read without
+    mapping the file's tensors."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
 
 
 class HuggingFaceCheckpoint:
-    """A GPT-2 in the Hugging Face format (config.json, model.safetensors), opened by its names and shapes alone.
-    read() maps the file, copies one box out of it and unmaps it: a rank holds only the parts it asks for."""
+    """A model in the Hugging Face format (config.json, and model.safetensors or the shards model.safetensors.index.json
+    names), opened by its names and shapes alone. read() maps the one file holding a tensor, copies one box out of it
+    and unmaps it: a rank opens only the files holding its parts, and holds only the parts it asks for."""
 
     def __init__(self, name_or_path):
         folder = pretrained_folder(name_or_path)
-        self.path = os.path.join(folder, "model.safetensors")
-        if not (os.path.exists(self.path) and os.path.exists(os.path.join(folder, "config.json"))):
+        self.listing = next((name for name in ("model.safetensors.index.json", "model.safetensors")
+                             if os.path.exists(os.path.join(folder, name))), None)
+        if not (self.listing and os.path.exists(os.path.join(folder, "config.json"))):
             raise UsageError(f"--init_from {name_or_path!r}: {folder!r} holds no config.json and model.safetensors "
                              "(the Hugging Face format)")
         with open(os.path.join(folder, "config.json")) as f:
             self.config = json.load(f)
-        with safe_open(self.path, framework="pt") as file:
-            self.shapes = {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}
+        if self.listing == "model.safetensors":
+            self.files = dict.fromkeys(safetensors_shapes(os.path.join(folder, self.listing)), self.listing)
+        else:  # sharded: which of model-0000k-of-0000N.safetensors holds each tensor
+            with open(os.path.join(folder, self.listing)) as f:
+                self.files = json.load(f)["weight_map"]
+        self.files = {name: os.path.join(folder, file) for name, file in self.files.items()}
+        self.shapes = {}
+        for path in sorted(set(self.files.values())):  # every header, so that every rank checks every shape alike
+            self.shapes.update(safetensors_shapes(path))
         # GPT2LMHeadModel.save_pretrained() names the body transformer.*; the hub's GPT-2 files do not.
         self.prefix = "transformer." if "transformer.wte.weight" in self.shapes else ""
 
     def read(self, name, box):
-        with safe_open(self.path, framework="pt") as file:  # a slice may be a view into the mapping: copy it out
-            return file.get_slice(self.prefix + name)[tuple(slice(start, stop) for start, stop in box)].clone()
+        name = self.prefix + name
+        with safe_open(self.files[name], framework="pt") as file:  # a slice may view the mapping: copy it out
+            return file.get_slice(name)[tuple(slice(start, stop) for start, stop in box)].clone()
 
 
 def pretrained_config(args, meta):
@@ -129,17 +205,18 @@ def pretrained_config(args, meta):
     if config.vocab_size != meta["vocab_size"]:
         raise UsageError(f"{source} has a vocabulary of {config.vocab_size}, but --data {args.data!r} is tokenized "
                          f"with {meta['tokenizer']} ({meta['vocab_size']}): prepare the data with the checkpoint's "
-                         "tokenizer (prepare_data.py --tokenizer gpt2 for GPT-2)")
+                         "tokenizer (prepare_data.py --tokenizer gpt2 for GPT-2, --tokenizer FOLDER/original/"
+                         "tokenizer.model for Llama 3)")
     with torch.device("meta"):
         shapes = {name: param.shape for name, param in gpt.GPT(config).named_parameters()}
     for name, shape in shapes.items():
         stored, box, _ = hugging_face_box(name, [(0, n) for n in shape], config)
         stored, found = checkpoint.prefix + stored, checkpoint.shapes.get(checkpoint.prefix + stored)
         if found is None:
-            raise UsageError(f"{source}: model.safetensors has no {stored}: the weights do not match config.json")
+            raise UsageError(f"{source}: {checkpoint.listing} has no {stored}: the weights do not match config.json")
         if len(found) != len(box) or any(stop > n for (_, stop), n in zip(box, found)):
-            raise UsageError(f"{source}: model.safetensors' {stored} {found} cannot hold {name} {tuple(shape)}: the "
-                             "weights do not match config.json")
+            raise UsageError(f"{source}: {checkpoint.listing}'s {stored} {found} cannot hold {name} {tuple(shape)}: "
+                             "the weights do not match config.json")
     return config
 
 

@@ -99,7 +99,7 @@ def parameter_plan(config, layout, sliced=None, units=None):
     unit and of the gathered root unit (FSDP), elements autocast copies to bfloat16 (the matmuls' weights and
     biases))."""
     sizes = local_sizes(config, layout.tp, sliced)
-    cast = sum(n for name, n in sizes.items() if not (".ln_" in name or name.startswith(("ln_f", "wpe"))))
+    cast = sum(n for name, n in sizes.items() if is_matmul_weight(name, config))
     if layout.strategy not in ("fsdp", "2d"):
         return sum(sizes.values()), len(sizes), 0, 0, cast
     ranks = layout.dp // layout.replicate  # the ranks one flat parameter is sharded over
@@ -140,30 +140,48 @@ def zero_states(config, layout, buckets):
     return rows
 
 
+def is_matmul_weight(name, config):
+    """Whether autocast copies parameter `name` to bfloat16 for a matmul: not a norm's gain, not a table a token only
+    looks up (wpe; wte unless it is also the tied LM head)."""
+    looked_up = name.startswith("wpe") or (name.startswith("wte") and not config.tie_embeddings)
+    return not (".ln_" in name or name.startswith("ln_f") or looked_up)
+
+
 def activation_plan(config, layout):
     """Bytes autograd saves for backward during one micro-batch's forward, as {item: bytes}; and the bytes one
     block's recompute and backward hold for a moment under --activation_checkpointing. Float32 is exact (measured on
     CPU, test_parallel.py). bfloat16 follows autocast's rules: each matmul saves its own bfloat16 copy of its
     input; the residual stream stays float32 (the weights are) except under FSDP, whose weights are gathered in
     bfloat16; a layer norm runs in float32 on CUDA (saving a float32 copy of its input), in its input's dtype on
-    CPU. Dropout masks count as CUDA keeps them, one byte an element."""
+    CPU. Dropout masks count as CUDA keeps them, one byte an element. Llama: RMSNorm saves its input and 1/rms, and
+    on CPU, where it runs as elementwise ops, its normalised output too; q and k are saved rotated; grouped-query
+    attention saves narrower k and v; SwiGLU saves 4 tensors of the MLP's width where GELU saves 2."""
     b, s, h, L = layout.micro_batch, config.block_size, config.n_embd, config.n_layer
     t, e = layout.tp, (2 if layout.dtype == "bfloat16" else 4)
+    kv, ffn = config.n_kv_head * config.head_dim, config.mlp_hidden  # key/value width, the MLP's width
     shard = t if layout.sequence_parallel else 1  # the residual stream is split over the sequence under SP
     low_precision_norms = e == 2 and layout.strategy in ("fsdp", "2d") and layout.device == "cpu"
     residual = b * (s // shard) * h * (2 if e == 2 and layout.strategy in ("fsdp", "2d") else 4)  # a block's input
-    norm = (b * (s // shard) * h + 2 * b * (s // shard)) * (2 if low_precision_norms else 4)  # input, mean, 1/std
+    if config.rms_norm:  # input (and on CPU the normalised output), 1/rms
+        norm = ((1 + (layout.device == "cpu")) * b * (s // shard) * h + b * (s // shard))
+    else:  # input, mean, 1/std
+        norm = b * (s // shard) * h + 2 * b * (s // shard)
+    norm *= 2 if low_precision_norms else 4
+    linears = 5 if config.swiglu else 4  # the column-parallel linears: q, k, v, (gate,) fc
     block = (2 * norm  # the two layer norms
-             + (4 if low_precision_norms else 8) * b * s * h  # the column-parallel linears' inputs, whole sequence
-             # (SP gathers it): in float32 q, k and v share one (2 x 4 bytes), in bfloat16 q, k, v and fc cast their
-             # own (4 x 2 bytes), unless the layer norms' outputs are bfloat16 already (2 x 2 bytes)
-             + 4 * b * s * h // t * e  # q, k, v and the attention output, this rank's heads
-             + b * (config.n_head // t) * s * 4  # attention's log-sum-exp per head and token
-             + 2 * b * s * 4 * h // t * e  # the MLP's fc output (GELU's input) and GELU's output
+             + (4 if low_precision_norms else 8 if e == 4 else 2 * linears) * b * s * h  # the column-parallel
+             # linears' inputs, whole sequence (SP gathers it): in float32 q, k and v share one, (gate and) fc
+             # another (2 x 4 bytes), in bfloat16 each linear casts its own (2 bytes each), unless the layer norms'
+             # outputs are bfloat16 already (2 x 2 bytes)
+             + (2 * h + 2 * kv) * b * s // t * e  # q, k, v and the attention output, this rank's heads
+             + b * (config.n_head // t) * s * 4  # attention's log-sum-exp per query head and token
+             + (4 if config.swiglu else 2) * b * s * ffn // t * e  # GELU's input and output; or gate's output, its
+             # SiLU, fc's output and their product
              + (2 * b * (s // shard) * h if config.dropout else 0))  # the two residual dropouts' masks
     vocab_parallel = layout.tp > 1 and layout.loss_parallel  # a softmax over this rank's padded slice, and a mask
     vocab = config.padded_vocab_size // t if vocab_parallel else config.vocab_size
-    embeddings = (b * s * 8 + s * 8 + (b * s if t > 1 else 0)  # the ids, the positions, TP's mask
+    positions = s * 8 if config.rope_theta is None else 2 * s * config.head_dim * 4  # wpe's ids; cos and sin
+    embeddings = (b * s * 8 + positions + (b * s if t > 1 else 0)  # the ids, the positions, TP's mask
                   + (b * (s // shard) * h if config.dropout else 0))  # the embedding dropout's mask
     final = norm + b * s * h * e  # the final norm, the LM head's whole input
     items = {"activations of the blocks": L * (residual if layout.activation_checkpointing else block)}
@@ -210,19 +228,19 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
 
 def stage_plan(config, layout, stage, layers, schedule):
     """[(item, bytes)] pipeline stage `stage` holds at its peak: its blocks (layers: train_pp.stage_layers), the
-    embeddings on the first stage, the final layer norm and the tied LM head on the last; and the activations of as
+    embeddings on the first stage, the final norm and the LM head (tied: wte) on the last; and the activations of as
     many micro-batches as its schedule (train_pp.schedule) holds at once: every one under GPipe, at most pp - stage
     under 1F1B. Each micro-batch in flight keeps autocast's bfloat16 copies of the stage's weights too."""
     first, last = stage == 0, stage == layout.pp - 1
     held = list(layers(config.n_layer, layout.pp, stage))
     sizes = local_sizes(config)
     names = [name for name in sizes if (name.startswith("blocks.") and int(name.split(".")[1]) in held)
-             or (first and name.startswith("wpe")) or ((first or last) and name.startswith("wte"))
-             or (last and name.startswith("ln_f"))]
+             or (first and name.startswith("wpe")) or (last and name.startswith(("ln_f", "lm_head")))
+             or ((first or (last and config.tie_embeddings)) and name.startswith("wte"))]
     params = sum(sizes[name] for name in names)
-    # autocast copies the matmuls' weights: wte only where it is the LM head's, not where it is an embedding
+    # autocast copies the matmuls' weights: wte only where it is the tied LM head's, not where it is an embedding
     cast = sum(sizes[name] for name in names
-               if not (".ln_" in name or name.startswith(("ln_f", "wpe")) or (name.startswith("wte") and not last)))
+               if is_matmul_weight(name, config) and not (name.startswith("wte") and not last))
     order = schedule(layout.schedule, stage, layout.pp, layout.micro_batches)
     in_flight = max(itertools.accumulate(1 if kind == "forward" else -1 for kind, _ in order))
     activations, recompute = activation_plan(replace(config, n_layer=len(held)), layout)
@@ -428,14 +446,20 @@ def plan_verdict(total, gpu_memory_gb, layout, rows):
     return f"does not fit: needs {total / 1e9:.1f} GB; try {' or '.join(advice)}"
 
 
+LLAMA3_VOCAB_SIZE = 128256  # Llama 3's tokenizer: 128,000 BPE tokens and 256 special ones
+
+
 def plan_config(args):
     """The model --plan describes: --model's preset with the data's vocabulary (meta.json; the default corpus's
-    bytes before it is built; GPT-2's 50,257 tokens for a folder not prepared yet)."""
+    bytes before it is built; for a folder not prepared yet, Llama 3's 128,256 tokens for a Llama preset, GPT-2's
+    50,257 for another)."""
+    preset = args.model or (args.init_from if args.init_from in gpt.PRESETS else "tiny")
     if os.path.exists(os.path.join(args.data, "meta.json")):
         vocab_size = prepare_data.load_meta(args.data)["vocab_size"]
+    elif args.data == prepare_data.DEFAULT_DATA_DIR:
+        vocab_size = 256
     else:
-        vocab_size = 256 if args.data == prepare_data.DEFAULT_DATA_DIR else 50257
-    preset = args.model or (args.init_from if args.init_from in gpt.PRESETS else "tiny")
+        vocab_size = LLAMA3_VOCAB_SIZE if gpt.PRESETS[preset].get("rope_theta") else 50257
     return gpt.make_config(preset, vocab_size, args.block_size, args.dropout), preset
 
 
@@ -481,7 +505,7 @@ FITS_LAYOUTS = [("ddp", 1), ("fsdp", 1), ("2d", 2), ("2d", 4), ("2d", 8)]  # (st
 def first_fit(config, gpus, micro_batch, checkpointing, gpu_memory, sliced, units):
     """The first of FITS_LAYOUTS on `gpus` GPUs that fits one rank in gpu_memory GB, as a table cell."""
     for strategy, tp in FITS_LAYOUTS:
-        if config.n_head % tp:
+        if config.n_kv_head % tp:  # the key/value heads, as many as the query heads or fewer
             continue
         layout = Layout(strategy, gpus, gpus // tp, tp, micro_batch, "bfloat16", sequence_parallel=tp > 1,
                         activation_checkpointing=checkpointing)

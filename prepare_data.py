@@ -1,11 +1,13 @@
 """
-Text -> train.bin / val.bin (uint16 token ids, one flat stream each) + meta.json.
+Text -> train.bin / val.bin (token ids, one flat stream each: uint16, or uint32 for a vocabulary beyond 65,536, such
+as Llama 3's) + meta.json.
 
     python prepare_data.py                       # offline default: the Python standard library's sources, bytes
     python prepare_data.py --dataset shakespeare             # tiny-shakespeare (download), gpt2 BPE
     python prepare_data.py --dataset openwebtext --num_proc 16
     python prepare_data.py --dataset fineweb-edu
     python prepare_data.py --input my_texts/ --tokenizer byte
+    python prepare_data.py --input my_texts/ --tokenizer Llama-3.2-1B/original/tokenizer.model   # Llama 3's BPE
 
 The training scripts memory-map the files (any size trains); meta.json, written last, marks a complete folder.
 """
@@ -78,10 +80,16 @@ fraction = checked(float, lambda x: 0 < x < 1, "a number between 0 and 1")
 # Tokenizers: the one a corpus is prepared with is named in its meta.json, and a sample is decoded with it
 
 
+def token_dtype(vocab_size):
+    """The token files' integer type: uint16 while every id fits (GPT-2's 50,257), uint32 beyond (Llama 3's 128,256)."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens: vocabulary 256, needs no files, never fails on any text."""
     name = "byte"
     vocab_size = 256
+    dtype = token_dtype(vocab_size)
     eot = None
 
     def encode(self, text):
@@ -95,6 +103,7 @@ class GPT2Tokenizer:
     """GPT-2's BPE through tiktoken; vocabulary 50257, documents separated by <|endoftext|>."""
     name = "gpt2"
     vocab_size = 50257
+    dtype = token_dtype(vocab_size)
 
     def __init__(self):
         import tiktoken
@@ -114,33 +123,72 @@ class GPT2Tokenizer:
         return self.encoding.decode([i for i in ids if i < self.vocab_size])
 
 
+class Llama3Tokenizer:
+    """Llama 3's BPE from a checkpoint's original/tokenizer.model, a tiktoken file (a base64 token and its rank a
+    line) read with tiktoken's loader, split with Llama 3's pattern, its 256 special tokens numbered after the file's
+    ranks (128,000 + 256 = 128,256 in Meta's file), as Meta's llama3 tokenizer.py builds them. A text begins with
+    <|begin_of_text|>, as Hugging Face's tokenizer encodes it; documents end with <|end_of_text|>."""
+    PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+    SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+               "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+               "<|eot_id|>", "<|python_tag|>"]
+
+    def __init__(self, path):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        ranks = load_tiktoken_bpe(path)
+        reserved = [f"<|reserved_special_token_{i}|>" for i in range(2, 2 + 256 - len(self.SPECIAL))]
+        special = {token: len(ranks) + i for i, token in enumerate(self.SPECIAL + reserved)}
+        self.encoding = tiktoken.Encoding(os.path.basename(path), pat_str=self.PATTERN, mergeable_ranks=ranks,
+                                          special_tokens=special)
+        self.name = os.path.abspath(path)  # meta.json names the file: the sample after training decodes with it
+        self.vocab_size = self.encoding.n_vocab
+        self.dtype = token_dtype(self.vocab_size)
+        self.bos, self.eot = special["<|begin_of_text|>"], special["<|end_of_text|>"]
+
+    def __reduce__(self):  # pickled as its file's path: datasets hashes the tokenizer and sends it to its processes
+        return Llama3Tokenizer, (self.name,)
+
+    def encode(self, text):
+        return [self.bos] + self.encoding.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.encoding.decode([i for i in ids if i < self.vocab_size])
+
+
 def get_tokenizer(name):
+    """byte, gpt2, or the path of a Llama 3 tokenizer.model."""
     if name == "byte":
         return ByteTokenizer()
     if name == "gpt2":
         return GPT2Tokenizer()
-    raise ValueError(f"unknown tokenizer {name!r}: use gpt2 or byte")
+    if os.path.isfile(name):
+        return Llama3Tokenizer(name)
+    raise ValueError(f"unknown tokenizer {name!r}: use gpt2, byte or the path of a Llama 3 checkpoint's "
+                     "original/tokenizer.model (no such file)")
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Token files
 
 
-def write_split(out_dir, split, chunks):
-    """Stream uint16 token arrays into out_dir/<split>.bin, under a temporary name until complete: the token count."""
+def write_split(out_dir, split, chunks, dtype="uint16"):
+    """Stream token arrays into out_dir/<split>.bin as dtype, under a temporary name until complete: the token count."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{split}.bin")
     count = 0
     with open(path + ".tmp", "wb") as f:
         for chunk in chunks:
-            f.write(np.ascontiguousarray(chunk, dtype=np.uint16))
+            f.write(np.ascontiguousarray(chunk, dtype=dtype))
             count += len(chunk)
     os.replace(path + ".tmp", path)
     return count
 
 
 def write_meta(out_dir, tokenizer, counts, source):
-    meta = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "source": source,
+    meta = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "dtype": tokenizer.dtype, "source": source,
             "train_tokens": counts["train"], "val_tokens": counts["val"]}
     with open(os.path.join(out_dir, "meta.json.tmp"), "w") as f:
         json.dump(meta, f, indent=2)
@@ -195,8 +243,8 @@ def main(argv=None):
                    help="the corpus to prepare (default: the embedded one, this Python's standard library)")
     p.add_argument("--input", help="a local text file or folder of them, instead of --dataset; files that are not "
                    "UTF-8 text are skipped")
-    p.add_argument("--tokenizer", choices=["gpt2", "byte"], default=None,
-                   help="default: byte for the embedded corpus, gpt2 otherwise")
+    p.add_argument("--tokenizer", default=None, help="gpt2, byte, or a Llama 3 checkpoint's original/tokenizer.model "
+                   "(default: byte for the embedded corpus, gpt2 otherwise)")
     p.add_argument("--out_dir", default=None, help="default: data/<dataset>, or data/input, next to this file")
     p.add_argument("--num_proc", type=positive_int, default=os.cpu_count() or 1, help="processes that tokenize")
     p.add_argument("--val_fraction", type=fraction, default=0.005, help="share of the rows held out for validation")
@@ -206,7 +254,8 @@ def main(argv=None):
     out_dir = args.out_dir or os.path.join(HERE, "data", name)
     if name == "default":
         if args.tokenizer not in (None, "byte"):
-            raise UsageError("the embedded default corpus uses the byte tokenizer; pass --input for gpt2 on local text")
+            raise UsageError("the embedded default corpus uses the byte tokenizer; pass --input for another one on "
+                             "local text")
         return prepare_default(out_dir)
     import corpora  # only for these corpora: they need the network, or `datasets`
 
@@ -214,7 +263,7 @@ def main(argv=None):
         if not args.input:
             corpora.check_network("raw.githubusercontent.com" if name == "shakespeare" else "huggingface.co")
         tokenizer = get_tokenizer(args.tokenizer or "gpt2")
-        write = functools.partial(write_split, out_dir)  # corpora.py streams each split's tokens through it
+        write = functools.partial(write_split, out_dir, dtype=tokenizer.dtype)  # corpora.py streams each split here
         source, counts = corpora.prepare(name, args.input, tokenizer, args.num_proc, args.val_fraction, out_dir, write)
     except ValueError as error:  # a bad input: one line, as every usage error
         raise UsageError(str(error)) from None

@@ -44,7 +44,7 @@ def main(argv=None):
     with torch.device("meta"):
         model = gpt.GPT(config)
     model.to_empty(device=device)
-    model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
+    model.tie_weights()  # to_empty() gives each module its own tensor: tie them again
     checkpoint.load(saved, checkpoint.parameter_parts(model), None, config)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
     training.sample(model, meta, args, device, autocast, show=True)

@@ -61,7 +61,7 @@ def materialise(model, config, args, device):
     """to_empty, then every (distributed) parameter's slice of its initial value, drawn by name or read from
     --init_from (each rank reads every parameter whole, then keeps its slice): the weights of train_single.py."""
     model.to_empty(device=device)
-    model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
+    model.tie_weights()  # to_empty() gives each module its own tensor: tie them again
     initial_value = training.initial_values(config, args.seed, args.init_from)
     for name, param in model.named_parameters():
         value = initial_value(name, param.shape).to(device)
@@ -129,15 +129,18 @@ def parallelize_with_dtensor(model, mesh, sequence_parallel, loss_parallel):
                                        output_layouts=Shard(-1) if loss_parallel else Replicate()),
             "blocks.*.attn.query": ColwiseParallel(), "blocks.*.attn.key": ColwiseParallel(),
             "blocks.*.attn.value": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(output_layouts=residual),
+            "blocks.*.mlp.gate": ColwiseParallel(),  # Llama's SwiGLU; GPT-2's MLP has none
             "blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel(output_layouts=residual)}
-    if sequence_parallel:  # wpe is added to the whole sequence, then the residual stream is cut into shards
+    if sequence_parallel:  # wpe (GPT-2) is added to the whole sequence, then the residual stream is cut into shards
         gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        gather_attention_input = PrepareModuleInput(input_layouts=(Shard(1), None),  # and the rotary angles, as given
+                                                    desired_input_layouts=(Replicate(), None))
         plan.update({"drop": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                                 use_local_output=True), "ln_f": SequenceParallel(),
                      "blocks.*.ln_1": SequenceParallel(), "blocks.*.ln_2": SequenceParallel(),
-                     "blocks.*.attn": gather_sequence, "blocks.*.mlp": gather_sequence})
+                     "blocks.*.attn": gather_attention_input, "blocks.*.mlp": gather_sequence})
     parallelize_module(model, mesh, plan)
-    model.lm_head.weight = model.wte.weight  # each style distributed its own copy of the tied weight
+    model.tie_weights()  # each style distributed its own copy of the tied weight
     if loss_parallel:
         model.loss_fn = DTensorLossParallel.apply
     whole = lambda logits: logits.full_tensor() if isinstance(logits, DTensor) else logits  # noqa: E731

@@ -38,8 +38,8 @@ def stage_layers(n_layer, num_stages, stage):
 class Stage(nn.Module):
     """One stage of a gpt.GPT: its blocks, plus the embeddings on the first stage, plus the final layer norm, the LM
     head and the loss on the last. What the stage does not hold is set to None, as torchtitan splits a model, so every
-    parameter keeps its gpt.py name (blocks.3 stays blocks.3) and a checkpoint names it as one device does. The last
-    stage keeps wte as the holder of the LM head's tied weight."""
+    parameter keeps its gpt.py name (blocks.3 stays blocks.3) and a checkpoint names it as one device does. Where the
+    LM head is tied (GPT-2), the last stage keeps wte as the holder of its weight."""
 
     def __init__(self, model, stage, num_stages):
         super().__init__()
@@ -52,7 +52,7 @@ class Stage(nn.Module):
                 model.blocks[layer] = None
         if not self.is_first:
             model.wpe = None
-        if not (self.is_first or self.is_last):
+        if not (self.is_first or (self.is_last and model.config.tie_embeddings)):
             model.wte = None
         if not self.is_last:
             model.ln_f = model.lm_head = None
@@ -62,7 +62,7 @@ class Stage(nn.Module):
         """Materialise the stage on `device` with the values one device starts with: value(name, shape)."""
         self.model.to_empty(device=device)
         if self.is_last:
-            self.model.lm_head.weight = self.model.wte.weight  # to_empty() gives each module its own tensor
+            self.model.tie_weights()  # to_empty() gives each module its own tensor
         for name, param in self.model.named_parameters():
             param.copy_(value(name, param.shape))
 
@@ -70,11 +70,13 @@ class Stage(nn.Module):
         """This stage's part of gpt.GPT.forward: token ids in on the first stage, the residual stream elsewhere;
         out goes the residual stream, or on the last stage the logits (the loss, given targets)."""
         model = self.model
+        pos = torch.arange(x.shape[1], device=x.device)
         if self.is_first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = model.drop(model.wte(x) + model.wpe(pos))
+            x = model.wte(x)
+            x = model.drop(x if model.wpe is None else x + model.wpe(pos))
+        rope = gpt.rotary_angles(model.config, pos)  # Llama: each stage computes the angles its blocks need
         for layer in self.layers:
-            x = model.blocks[layer](x)
+            x = model.blocks[layer](x, rope)
         if not self.is_last:
             return x
         logits = model.lm_head(model.ln_f(x))
@@ -180,8 +182,9 @@ class PipelineParallel(nn.Module):
 def sum_tied_gradients(stage, group):
     """The first stage's wte and the last stage's LM head are one tied weight held twice; each copy's gradient is
     that of its own use, and the weight's is their sum (Megatron-LM's embedding group). Summed on both, the two
-    copies take the same AdamW step and never drift apart. group: the two end stages of this pipeline, or None."""
-    if group is not None:
+    copies take the same AdamW step and never drift apart. group: the two end stages of this pipeline, or None.
+    An untied LM head (Llama 3.1) is a weight of its own: nothing to sum."""
+    if group is not None and stage.model.config.tie_embeddings:
         dist.all_reduce(stage.model.wte.weight.grad, group=group)
 
 

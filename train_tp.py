@@ -209,16 +209,17 @@ class RNGFork:
             torch.cuda.set_rng_state(self.outside[1], args[0].device)
 
 
-# What parallelize() splits in each block, by gpt.py's names: column-parallel linears by output rows (weight and
-# bias), row-parallel ones by input columns (the weight; the bias is added after the sum). And wte by vocabulary rows.
-COLUMN_PARALLEL = ("attn.query", "attn.key", "attn.value", "mlp.fc")
+# What parallelize() splits in each block, by gpt.py's names: column-parallel linears by output rows, weight and bias
+# (a rank's query heads, and its key/value heads alike), row-parallel ones by input columns. wte, lm_head: vocab rows.
+COLUMN_PARALLEL = ("attn.query", "attn.key", "attn.value", "mlp.gate", "mlp.fc")
 ROW_PARALLEL = ("attn.proj", "mlp.proj")
 
 
 def is_sliced(name):
     """Whether tensor parallelism splits parameter `name` across ranks (the planner counts 1/tp of it)."""
     module, _, kind = name.split(".", 2)[-1].rpartition(".")  # blocks.3.attn.query.bias -> attn.query, bias
-    return name == "wte.weight" or module in COLUMN_PARALLEL or (module in ROW_PARALLEL and kind == "weight")
+    vocabulary = name in ("wte.weight", "lm_head.weight")
+    return vocabulary or module in COLUMN_PARALLEL or (module in ROW_PARALLEL and kind == "weight")
 
 
 def sampling_hooks(model, multiple, gather):
@@ -243,27 +244,29 @@ def sampling_hooks(model, multiple, gather):
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
     """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place (on meta, before to_empty)."""
     model.wte = VocabParallelEmbedding(model.wte, group)
-    model.lm_head.weight = model.wte.weight  # tied: the LM head is column-parallel over the same vocabulary rows
+    model.lm_head = ColumnParallelLinear(model.lm_head, group)  # the same vocabulary rows as wte's
+    model.tie_weights()  # tied: the LM head's weight is wte's slice
     for block in model.blocks:
-        for name in COLUMN_PARALLEL:
-            block.set_submodule(name, ColumnParallelLinear(block.get_submodule(name), group))
-        for name in ROW_PARALLEL:
-            block.set_submodule(name, RowParallelLinear(block.get_submodule(name), group, sequence_parallel))
+        for name, module in list(block.named_modules()):  # GPT-2's MLP has no gate
+            if name in COLUMN_PARALLEL:
+                block.set_submodule(name, ColumnParallelLinear(module, group))
+            if name in ROW_PARALLEL:
+                block.set_submodule(name, RowParallelLinear(module, group, sequence_parallel))
     rng = RNGFork(dist.get_rank(group))
     for module in model.modules():
         if isinstance(module, gpt.CausalSelfAttention) and model.config.dropout:  # own heads: from here to proj
             module.register_forward_pre_hook(rng.enter)
             module.proj.register_forward_pre_hook(rng.leave)
         if isinstance(module, (gpt.CausalSelfAttention, gpt.MLP)):  # f once per region: q, k and v share one
-            module.register_forward_pre_hook(lambda module, args: f(args[0], group, sequence_parallel))
-        if isinstance(module, (VocabParallelEmbedding, nn.LayerNorm)) and sequence_parallel:  # [T, B, ...] as
-            module.register_forward_pre_hook(lambda module, args: args[0].transpose(0, 1))  # stored: no copies
+            module.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel), *args[1:]))
+        if sequence_parallel and isinstance(module, (VocabParallelEmbedding, nn.LayerNorm, nn.RMSNorm)):  # [T, B, C]
+            module.register_forward_pre_hook(lambda module, args: args[0].transpose(0, 1))  # as stored: no copies
             module.register_forward_hook(lambda module, args, out: out.transpose(0, 1))
         if isinstance(module, nn.Dropout) and sequence_parallel and model.config.dropout:  # this rank's shard
             module.register_forward_pre_hook(rng.enter)
             module.register_forward_hook(rng.leave)
     model.wte.register_forward_hook(lambda module, args, out: g(out, group, sequence_parallel))
-    if sequence_parallel:  # the token embeddings come out as this rank's sequence shard: so must the positions
+    if sequence_parallel and model.wpe is not None:  # GPT-2's positions: this rank's shard, as the token embeddings
         model.wpe.register_forward_pre_hook(lambda module, args: _split(args[0], group, 0))
     # The LM head's region: f, then batch-first as the loss flattens it (a [B, T, C] copy, not [B, T, V / tp])
     model.lm_head.register_forward_pre_hook(lambda module, args: f(args[0], group, sequence_parallel).contiguous())
@@ -337,7 +340,7 @@ def main(argv=None):
     else:
         parallelize(model, dist.group.WORLD, args.sequence_parallel, not args.no_loss_parallel)
         model.to_empty(device=device)
-        model.lm_head.weight = model.wte.weight  # to_empty() gives each module its own tensor: tie them again
+        model.tie_weights()  # to_empty() gives each module its own tensor: tie them again
         parts = checkpoint.parameter_parts(model)
         value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
         for part in parts:  # each rank reads its own slices only: together the ranks hold train_single's weights

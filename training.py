@@ -46,7 +46,7 @@ def get_parser(description, strategy="single"):
     p.set_defaults(strategy=strategy)
     add = p.add_argument_group("model and data").add_argument
     add("--model", choices=list(gpt.PRESETS), help="gpt.py's preset (default: tiny, or --init_from's)")
-    add("--init_from", help="GPT-2's weights: gpt2 ... gpt2-xl, or a folder with config.json, model.safetensors")
+    add("--init_from", help="pretrained weights: gpt2 ... gpt2-xl, a Llama 3 hub id, or a Hugging Face folder")
     add("--data", default=DEFAULT_DATA_DIR, help="prepare_data.py's folder (default: the embedded corpus, made once)")
     add("--block_size", type=positive_int, default=128, help="context length, in tokens")
     add("--dropout", type=probability, default=0.0, help="dropout probability")
@@ -117,12 +117,16 @@ def check_arguments(args, device):
 
 
 def check_tensor_parallel(config, tp, sequence_parallel):
-    """Every rank runs this before any collective, so a bad layout fails everywhere instead of hanging."""
-    sizes = [("n_head", config.n_head), ("the padded vocabulary", config.padded_vocab_size)]  # heads split n_embd
-    for what, n in sizes + [("--block_size", config.block_size)] * sequence_parallel:
+    """Every rank runs this before any collective, so a bad layout fails everywhere instead of hanging. The query heads
+    split n_embd; under grouped-query attention the key/value heads are split too, so t must divide them as well."""
+    sizes = [("n_head", config.n_head), ("n_kv_head", config.n_kv_head), ("the MLP's width", config.mlp_hidden),
+             ("the padded vocabulary", config.padded_vocab_size)]
+    sizes += [("--block_size", config.block_size)] * sequence_parallel
+    for what, n in sizes:
         if n % tp:
+            works = [str(t) for t in range(1, config.n_kv_head + 1) if all(size % t == 0 for _, size in sizes)]
             fix = "run without --sequence_parallel" if what == "--block_size" else "another --model"
-            raise UsageError(f"{what} ({n}) is not divisible by --tp {tp}: choose a --tp that divides it or {fix}")
+            raise UsageError(f"{what} ({n}) is not divisible by --tp {tp}: choose --tp in {{{', '.join(works)}}} or {fix}")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -312,14 +316,14 @@ class BatchSampler:
     """The batch of step `step` from (seed, step) alone: `global_batch` random windows of the token file. Data-parallel
     rank r owns rows [r, r + 1) x accumulation x micro_batch, micro_batch a micro-step; TP peers share them."""
 
-    def __init__(self, path, block_size, global_batch, micro_batch, dp_rank, dp_size, seed, device):
+    def __init__(self, path, block_size, global_batch, micro_batch, dp_rank, dp_size, seed, device, dtype="uint16"):
         if global_batch % (micro_batch * dp_size):
             raise UsageError(f"--global_batch {global_batch} is not a multiple of --micro_batch {micro_batch} x "
                              f"data-parallel size {dp_size}: change one of them")
-        self.path, self.block_size, self.seed, self.device = path, block_size, seed, device
+        self.path, self.block_size, self.seed, self.device, self.dtype = path, block_size, seed, device, dtype
         self.global_batch, self.micro_batch, self.dp_rank = global_batch, micro_batch, dp_rank
         self.accumulation = global_batch // (micro_batch * dp_size)
-        self.num_tokens = len(np.memmap(path, dtype=np.uint16, mode="r"))
+        self.num_tokens = len(np.memmap(path, dtype=dtype, mode="r"))
         if self.num_tokens <= block_size + 1:
             raise UsageError(f"{path} holds {self.num_tokens} tokens, fewer than --block_size {block_size} + 2")
         self.split = 0 if os.path.basename(path).startswith("train") else 1
@@ -334,7 +338,7 @@ class BatchSampler:
 
     def get(self, step, micro_step):
         # A fresh memmap per batch: a long-lived one keeps every page it touched resident.
-        data = np.memmap(self.path, dtype=np.uint16, mode="r")
+        data = np.memmap(self.path, dtype=self.dtype, mode="r")
         starts = self.offsets(step)[list(self.rows(micro_step))]
         windows = np.stack([data[s:s + self.block_size + 1] for s in starts]).astype(np.int64)
         batch = torch.from_numpy(windows)
@@ -352,9 +356,10 @@ def load_data(args, dp_rank, dp_size, device, is_writer):
                          f"choose a multiple of {dp_size}")
     micro_batch = args.micro_batch or args.global_batch // dp_size
     samplers = [BatchSampler(os.path.join(args.data, f"{split}.bin"), args.block_size, args.global_batch, micro_batch,
-                             dp_rank, dp_size, args.seed, device) for split in ("train", "val")]
+                             dp_rank, dp_size, args.seed, device, meta.get("dtype", "uint16"))  # uint32: Llama 3's ids
+                for split in ("train", "val")]
     if args.init_from:
-        import hugging_face  # only here: reading GPT-2's weights needs safetensors and the Hugging Face hub
+        import hugging_face  # only here: reading pretrained weights needs safetensors and the Hugging Face hub
         return meta, hugging_face.pretrained_config(args, meta), *samplers
     config = gpt.make_config(args.model or "tiny", meta["vocab_size"], args.block_size, args.dropout)
     return meta, config, *samplers
@@ -514,7 +519,7 @@ class Logger:
         with torch.device("meta"):  # the whole model's counts, whatever part of it this rank holds
             model = gpt.GPT(config)
         self.num_params = model.num_params()
-        self.flops_per_token = gpt.flops_per_token(config, model.num_params(with_position_embedding=False))
+        self.flops_per_token = gpt.flops_per_token(config, model.num_params(with_embeddings=False))
         self.peak_flops = peak_flops(device)
         self.trackers = None
         if self.writes:
