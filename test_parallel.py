@@ -1089,14 +1089,14 @@ def test_data_parallel_scripts_run_without_torchrun(corpus, tmp_path):
 
 
 def _train_recording_rows(argv):
-    """train_ddp.main on this rank; returns {step: [token rows this rank trained on]}."""
+    """train_ddp.main on this rank; returns {(split, step): [token rows this rank read]}: the rows it trained on at
+    each step, and the rows each evaluation read from validation batch `step` (every evaluation reads batch 0 on)."""
     rows = {}
     real_get = training.BatchSampler.get
 
     def get(sampler, step, micro_step):
         x, y = real_get(sampler, step, micro_step)
-        if sampler.split == 0:
-            rows.setdefault(step, []).extend(row.tobytes() for row in x.numpy())
+        rows.setdefault((("train", "val")[sampler.split], step), []).extend(row.tobytes() for row in x.numpy())
         return x, y
 
     training.BatchSampler.get = get
@@ -1124,17 +1124,21 @@ def ddp_run(corpus, tmp_path_factory, world_size, **overrides):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_matches_single_device(corpus, tmp_path_factory, world_size):
     """Losses and weights after 6 steps (accumulation 8 / (2 x world_size), clipping on) equal train_single's,
-    and the ranks split every global batch between them without overlap."""
+    and the ranks split every global batch between them without overlap: the training batch of every step, and the
+    validation batch every evaluation reads (the validation set is single's whatever the layout, each rank reading
+    its own rows of it once an evaluation)."""
     run, rows = ddp_run(corpus, tmp_path_factory, world_size)
     assert_runs_match(run, single_run(corpus, tmp_path_factory))
-    single = training.BatchSampler(os.path.join(corpus, "train.bin"), block_size=32, global_batch=16, micro_batch=2,
-                              dp_rank=0, dp_size=1, seed=1234, device=torch.device("cpu"))  # as flags() sets them
-    for step in range(6):
-        everyone = [row.numpy().tobytes() for micro_step in range(single.accumulation)
-                    for row in single.get(step, micro_step)[0]]
-        ranks = [set(rank_rows[step]) for rank_rows in rows]
-        assert all(len(r) == 16 // world_size for r in ranks), "every rank trains on its share of the rows"
-        assert set.union(*ranks) == set(everyone), "the ranks together see exactly the global batch"
+    batches = [("train", step) for step in range(6)] + [("val", 0)]  # eval_iters 1: validation batch 0 alone
+    assert {key for rank_rows in rows for key in rank_rows} == set(batches)
+    for split, step in batches:
+        everyone = [row.numpy().tobytes() for row in independent_batch(corpus, split, step)[0]]  # as flags() sets it
+        reads = 1 if split == "train" else 2  # the validation batch at the first and the last step
+        for rank_rows in rows:
+            assert len(rank_rows[split, step]) == reads * 16 // world_size, "every rank reads its share of the rows"
+        ranks = [set(rank_rows[split, step]) for rank_rows in rows]
+        assert all(len(r) == 16 // world_size for r in ranks), f"{split} {step}: ranks overlap or read a row twice"
+        assert set.union(*ranks) == set(everyone), f"{split} {step}: the ranks together see exactly the batch"
 
 
 @pytest.mark.parametrize("dropout", [0, DROPOUT])
