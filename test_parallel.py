@@ -1265,6 +1265,31 @@ def test_ddp_one_all_reduce_per_bucket_per_step(corpus, tmp_path_factory):
     assert len(names) == len(set(names)) and "wte.weight" in names  # the tied embedding / LM head: one bucket, once
 
 
+def test_ddp_buckets_of_gpt2_at_the_default_bucket_mb(monkeypatch):
+    """GPT-2 124M's gradients at train_ddp.py's default --bucket_mb: the first bucket (the first gradients backward
+    produces: ln_f's and the last block's last ones) holds at most 1 MiB, as DistributedDataParallel's first bucket,
+    so its all-reduce starts after a few gradients and overlaps the rest of backward (the tests above run under that
+    cap, where it changes nothing). Each bucket closes only when the next gradient would take it past its cap, every
+    parameter once, in backward's order; a parameter larger than the cap (the tied embedding) fills a bucket alone."""
+    parsers, real_get_parser = [], training.get_parser
+    monkeypatch.setattr(training, "get_parser", lambda *args: parsers.append(real_get_parser(*args)) or parsers[-1])
+    with pytest.raises(SystemExit):
+        train_ddp.main(["--help"])
+    bucket_mb = parsers[0].get_default("bucket_mb")
+    with torch.device("meta"):
+        named = list(gpt.GPT(gpt.make_config("gpt2", 50257, 1024)).named_parameters())
+    buckets = train_ddp.assign_buckets(named, bucket_mb)
+    mib = [sum(param.numel() * param.element_size() for _, param in bucket) / 2**20 for bucket in buckets]
+    print(f"--bucket_mb {bucket_mb}: {len(buckets)} buckets, the first {mib[0]:.3f} MiB, the largest {max(mib):.1f}")
+    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in reversed(named)]
+    caps = [1] + [bucket_mb] * (len(buckets) - 1)
+    for bucket, size, cap, following in zip(buckets, mib, caps, buckets[1:] + [None]):
+        assert size <= cap or len(bucket) == 1, f"a bucket of {size:.2f} MiB under a cap of {cap} MiB"
+        if following:  # closed only when the next gradient would not fit
+            assert size + following[0][1].numel() * following[0][1].element_size() / 2**20 > cap
+    assert mib[0] <= 1 and bucket_mb == 25
+
+
 # ------------------------------------------------------------------------------------------------------------
 # DataParallel on a module that is not a GPT
 
