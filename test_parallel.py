@@ -2263,22 +2263,35 @@ def test_tp_bad_layout_is_a_clear_error(corpus, tmp_path, world_size, bad, messa
     assert all(error and message in error for error in errors), errors
 
 
+GENERATED_PROMPTS = [torch.arange(10, 10 + length)[None] for length in range(1, 5)]  # every length mod 2 and 4
+
+
 def _generate(sequence_parallel):
     config = gpt.make_config("tiny", vocab_size=256, block_size=16)
     model = _tensor_parallel_model(config, 3, sequence_parallel).eval()
+    with torch.no_grad():
+        logits = [model(prompt).numpy() for prompt in GENERATED_PROMPTS]
     prompt = torch.tensor([[10, 20, 30]])  # 3 tokens: not a multiple of tp, as every other length on the way
-    return gpt.generate(model, prompt, 12, config.block_size, config.vocab_size, seed=1).numpy()
+    return gpt.generate(model, prompt, 12, config.block_size, config.vocab_size, seed=1).numpy(), logits
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp_generate_matches_single(sequence_parallel):
-    """Sampling (no targets) gets the whole logits back, at any prompt length, under sequence parallelism too."""
+@pytest.mark.parametrize("tp, sequence_parallel", [(2, False), (2, True), (4, True)])
+def test_tp_generate_matches_single(tp, sequence_parallel):
+    """Sampling (no targets) gets the whole logits back at any prompt length, under sequence parallelism too, where
+    a prompt is padded to a multiple of tp and the padding dropped: prompts of 1 to 4 tokens (every length mod tp)
+    give one device's logits, and the 12 tokens sampled after 3 (lengths 3 to 14) are one device's. At tp 2 a
+    prompt padded by its remainder instead of what completes the multiple still comes out right; at tp 4 not."""
     config = gpt.make_config("tiny", vocab_size=256, block_size=16)
     model = gpt.GPT(config).eval()
     model.init_weights(seed=3)
     expected = gpt.generate(model, torch.tensor([[10, 20, 30]]), 12, config.block_size, 256, seed=1).numpy()
-    for tokens in run_distributed(2, _generate, sequence_parallel):
+    with torch.no_grad():
+        expected_logits = [model(prompt).numpy() for prompt in GENERATED_PROMPTS]
+    for tokens, logits in run_distributed(tp, _generate, sequence_parallel):
         np.testing.assert_array_equal(tokens, expected)
+        for prompt, found, reference in zip(GENERATED_PROMPTS, logits, expected_logits):
+            assert found.shape == reference.shape, (prompt.shape, found.shape)
+            np.testing.assert_allclose(found, reference, rtol=0, atol=1e-5, err_msg=f"{prompt.shape[1]} tokens")
 
 
 # ------------------------------------------------------------------------------------------------------------
