@@ -3725,6 +3725,88 @@ def test_a_diverged_run_stops_before_it_replaces_a_good_checkpoint(corpus, tmp_p
     assert [record["step"] for record in strict_json_lines(tmp_path / "metrics.jsonl")] == list(range(DIVERGES_AT))
 
 
+class NonFiniteGradient(torch.autograd.Function):
+    """The identity forward; in backward the gradient's first element turns NaN, as where a backward pass overflowed
+    on one rank: that rank's loss stays finite, its gradients do not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad[(0,) * grad.dim()] = float("nan")
+        return grad
+
+
+def _diverging_on_one_rank(main, argv, rank, step):
+    """main(argv) where from optimizer step `step` on every block's output gradient holds a NaN on rank `rank` alone,
+    every loss finite. Returns (the exit code and message it stops with, the last step it began, whether every tensor
+    its optimizer holds, weights and AdamW state, is bit for bit what it was when step `step` began), or None."""
+    real_set_lr, real_make_optimizer, real_forward = training.set_lr, training.make_optimizer, gpt.Block.forward
+    began, optimizers, before = [], [], []
+
+    def held():
+        optimizer = optimizers[0]
+        tensors = [param for group in optimizer.param_groups for param in group["params"]]
+        tensors += [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+        return [tensor.detach().clone() for tensor in tensors]
+
+    def set_lr(optimizer, current, args):
+        began.append(current)
+        if current == step:
+            before.extend(held())
+        return real_set_lr(optimizer, current, args)
+
+    def make_optimizer(*args, **kwargs):
+        optimizers.append(real_make_optimizer(*args, **kwargs))
+        return optimizers[-1]
+
+    def forward(self, x):
+        out = real_forward(self, x)
+        diverged = torch.is_grad_enabled() and began and began[-1] >= step and dist.get_rank() == rank
+        return NonFiniteGradient.apply(out) if diverged else out
+
+    training.set_lr, training.make_optimizer, gpt.Block.forward = set_lr, make_optimizer, forward
+    try:
+        main(argv)
+    except training.Stopped as stopped:
+        after = held()
+        unchanged = len(after) == len(before) and all(map(torch.equal, after, before))
+        return stopped.code, str(stopped), began[-1], unchanged
+    finally:
+        training.set_lr, training.make_optimizer, gpt.Block.forward = real_set_lr, real_make_optimizer, real_forward
+    return None
+
+
+ONE_RANK_DIVERGES_AT = 2  # with --ckpt_interval 2, step 2's checkpoint holds what every rank held when it began
+
+
+@pytest.mark.parametrize("layout", ["single", "ddp", "fsdp", "tp", "2d", "pp"])
+def test_a_non_finite_gradient_on_one_rank_stops_every_rank_before_the_step(corpus, tmp_path, layout):
+    """From step 2 on one rank's gradients hold a NaN, every rank's loss finite: the last rank's (under the pipeline
+    the first stage's, whose gradients no send carries to another rank). A guard that read only its own loss would
+    train on. Every rank stops at the same step, none hangs, each with the exit code of a divergence and one line
+    naming the step and the checkpoint to resume; every tensor each rank's optimizer holds (weights, AdamW moments,
+    its step count) is bit for bit what it was when the step began; `latest` names step 2's checkpoint."""
+    main, ranks, extra = EVERY_LAYOUT[layout]
+    rank = 0 if main is train_pp.main else ranks - 1
+    argv = flags(corpus, tmp_path, max_steps=6, ckpt_interval=2, **extra)
+    outcomes = run_distributed(ranks, _diverging_on_one_rank, main, argv, rank, ONE_RANK_DIVERGES_AT)
+    assert None not in outcomes, f"ranks {[r for r, outcome in enumerate(outcomes) if outcome is None]} trained on"
+    for code, message, last_step, unchanged in outcomes:
+        assert code == training.DIVERGED_EXIT_CODE and re.search(rf"\bstep {ONE_RANK_DIVERGES_AT}\b", message), message
+        assert "ckpt-0000002" in message and "\n" not in message, message
+        assert unchanged, "the diverged step changed what the optimizer holds"
+    assert len({last_step for _, _, last_step, _ in outcomes}) == 1, "the ranks stopped at different steps"
+    assert checkpoint.latest(str(tmp_path)).endswith("ckpt-0000002") and checkpoint_steps(tmp_path) == [2]
+    saved = checkpoint.Checkpoint(checkpoint.latest(str(tmp_path)))
+    assert all(torch.isfinite(saved.full(name)).all() for name in saved.pieces)
+    steps = [record["step"] for record in strict_json_lines(tmp_path / "metrics.jsonl")]
+    assert steps == list(range(ONE_RANK_DIVERGES_AT))
+
+
 def test_metrics_are_strict_json(tmp_path):
     """A value that is not finite (a validation loss that overflowed) is written as null, which every parser reads."""
     args = training.get_parser("").parse_args(["--out_dir", str(tmp_path)])
