@@ -3840,21 +3840,29 @@ def _stopped_by_signal(main, argv, number, rank=1, step=3):
     return None
 
 
+STOPPED_BY_SIGNAL = dict(WITH_DROPOUT, pp=(train_pp.main, 2, dict(pp=2, schedule="1f1b")))
+
+
 @pytest.mark.parametrize("layout, name", [("ddp", "SIGUSR1"), ("ddp", "SIGTERM"), ("fsdp", "SIGTERM"),
-                                          ("tp", "SIGTERM"), ("2d", "SIGTERM")])
+                                          ("tp", "SIGTERM"), ("2d", "SIGTERM"), ("pp", "SIGTERM")])
 def test_a_stop_signal_saves_the_step_and_resume_is_bit_identical(corpus, tmp_path_factory, shared_tmp, layout, name):
-    """SIGTERM (or SIGUSR1) to one rank at step 3: every rank finishes the step, they agree on it, save step 4's
-    checkpoint (the interval is 100) and stop with the exit code that says "resumable", SIGTERM's deadline
-    cancelled; --resume then ends bit-identical to the run that was never stopped, dropout masks included."""
-    main, ranks, extra = WITH_DROPOUT[layout]
+    """SIGTERM (or SIGUSR1) to rank 1 alone at step 3: every rank finishes the step, they agree on it (one rank's
+    request is enough), save step 4's checkpoint (the interval is 100) and stop with the exit code that says
+    "resumable", each naming step 4 and the signalled rank its signal, SIGTERM's deadline cancelled; --resume then
+    ends bit-identical to the run that was never stopped, dropout masks included."""
+    main, ranks, extra = STOPPED_BY_SIGNAL[layout]
     argv = flags(corpus, shared_tmp, dropout=DROPOUT, ckpt_interval=100, **extra)
-    for code, message, deadline_left in run_distributed(ranks, _stopped_by_signal, main, argv, signal.Signals[name]):
-        assert code == training.PREEMPTED_EXIT_CODE, message
-        assert f"({name}) after step 4" in message or "another rank" in message, message
+    stopped = run_distributed(ranks, _stopped_by_signal, main, argv, signal.Signals[name])
+    assert None not in stopped, f"ranks {[rank for rank, outcome in enumerate(stopped) if outcome is None]} ran on"
+    for rank, (code, message, deadline_left) in enumerate(stopped):
+        assert code == training.PREEMPTED_EXIT_CODE and "after step 4" in message, message
+        assert (f"({name})" in message) == (rank == 1), message
         assert deadline_left == 0, "the stop left SIGTERM's deadline armed"
     assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000004")
     run_distributed(ranks, main, argv + ["--resume"])
-    assert_identical(read_run(str(shared_tmp)), uninterrupted(corpus, tmp_path_factory, layout))
+    reference = (pp_run(corpus, tmp_path_factory, ranks, dropout=DROPOUT, **extra)[0] if main is train_pp.main
+                 else uninterrupted(corpus, tmp_path_factory, layout))
+    assert_identical(read_run(str(shared_tmp)), reference)
 
 
 def _no_space_on_rank_one(argv):
