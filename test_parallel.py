@@ -1870,6 +1870,51 @@ def test_fsdp_wraps_any_module_with_frozen_parameters():
             np.testing.assert_allclose(full[name], expected, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+def _fully_sharded_over_a_subgroup():
+    """_any_module's model and two clipped SGD steps, sharded over a strided group of 4 of 8 ranks (as train_2d.py's
+    data-parallel groups), each group on its own batch: (the weights, the clip's norms and the reference's, whether a
+    rank of the group holds nothing but padding)."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 2, 4, 6]), dist.new_group([1, 3, 5, 7])]  # every rank creates every group
+    group = groups[rank % 2]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 5))  # a bias of 5
+    model[0].bias.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(rank % 2)  # the group's batch
+    x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 5, generator=generator)
+    fsdp = train_fsdp.FullyShardedDataParallel(model, units=[model[0], model[2]], process_group=group)
+    rows = slice(2 * dist.get_rank(group), 2 * dist.get_rank(group) + 2)
+    norms = []
+    for module, inputs, targets in [(fsdp, x[rows], y[rows]), (reference, x, y)]:
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.1)
+        for _ in range(2):
+            torch.nn.functional.mse_loss(module(inputs), targets).backward()
+            if module is fsdp:
+                norms.append(fsdp.clip_grad_norm_(0.5).item())  # below every norm here: the clip scales each step
+            else:
+                norms.append(nn.utils.clip_grad_norm_(module.parameters(), 0.5).item())
+            optimizer.step()
+            optimizer.zero_grad()
+    full = {name: tensor.numpy() for name, tensor in named_full_parameters(fsdp)}
+    padding_alone = any(flat.padding >= flat.shard_size for flat in fsdp.flats)
+    return full, {name: param.detach().numpy() for name, param in reference.named_parameters()}, norms, padding_alone
+
+
+def test_fsdp_over_strided_subgroups_with_a_rank_of_padding_alone():
+    """8 ranks as two strided groups of 4, each sharding its own copy over its own group alone, as train_2d.py's
+    data-parallel groups do (there, the only place the group is not the world): each group's gathers,
+    reduce-scatters and gradient norm stay within it, and two clipped SGD steps give what the whole model takes on
+    the group's whole batch. Over 4 ranks the last bias (5 elements, shards of 2) pads 3: one rank holds padding
+    alone."""
+    for rank, (full, reference, norms, padding_alone) in enumerate(run_distributed(8, _fully_sharded_over_a_subgroup)):
+        assert full.keys() == reference.keys()
+        for name, expected in reference.items():
+            np.testing.assert_allclose(full[name], expected, rtol=1e-5, atol=1e-7, err_msg=f"rank {rank}: {name}")
+        np.testing.assert_allclose(norms[:2], norms[2:], rtol=1e-5, err_msg=f"rank {rank}: gradient norms")
+        assert min(norms) > 0.5 and padding_alone
+
+
 def _prefetch_order(compile):
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     model, fsdp, _ = _build(config)
