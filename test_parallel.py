@@ -1451,18 +1451,21 @@ COMM_LAYOUTS = {  # bench.py's name -> (script, ranks, flags, plan.comm_formula'
 
 
 @launches_its_own_ranks
-@pytest.mark.parametrize("strategy", list(COMM_LAYOUTS))
-def test_bench_formula_counts_every_collective(strategy, corpus, tmp_path):
+@pytest.mark.parametrize("strategy, dtype", [pytest.param(strategy, "float32", id=strategy) for strategy in COMM_LAYOUTS]
+                         + [pytest.param(strategy, "bfloat16", id=f"{strategy}-bfloat16") for strategy in ("ddp", "fsdp")])
+def test_bench_formula_counts_every_collective(strategy, dtype, corpus, tmp_path):
     """What one step of our strategy sends, read from the profiler by bench.py, is its formula: the same number of
     collectives, and the bytes within 1% (measured: equal to the byte, but for 2 bytes in train_2d.py's gradient
     norm, which bench counts in groups of 2 but runs over all 4 ranks). The count catches a collective the formula
-    leaves out, however small (the logged loss's 4 bytes)."""
+    leaves out, however small (the logged loss's 4 bytes). Under --dtype bfloat16 DDP's buckets and FSDP's
+    reduce-scatters still carry float32 gradients while FSDP gathers bfloat16 weights: a gradient reduced in bf16
+    would send half the bytes the formula counts (tensor parallelism's bf16 activations have tests of their own)."""
     script, ranks, extra, layout = COMM_LAYOUTS[strategy]
     args = argparse.Namespace(model="tiny", data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
-                              dtype="float32", compile=False, threads=1)
+                              dtype=dtype, compile=False, threads=1)
     row = bench.run_once(args, strategy, script, ranks, extra, "ours", 2, 8, str(tmp_path))
-    terms = plan.comm_formula(strategy.split("_")[0], gpt.make_config("tiny", 256, 32), 8, backend="gloo",
-                              buckets=train_ddp.assign_buckets, **bench.STRATEGY_CODE, **layout)
+    terms = plan.comm_formula(strategy.split("_")[0], gpt.make_config("tiny", 256, 32), 8, dtype=dtype,
+                              backend="gloo", buckets=train_ddp.assign_buckets, **bench.STRATEGY_CODE, **layout)
     assert row["collectives"] == sum(term.count for term in terms), terms
     assert row["comm_bytes"] == pytest.approx(sum(term.bytes for term in terms), rel=0.01), terms
 
