@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -2973,6 +2974,20 @@ def test_plan_prints_without_building_the_model(capsys, tmp_path):
     assert code == 0 and re.search(r"does not fit: needs [\d,.]+ GB; try .*train_fsdp.py", printed)
 
 
+def test_the_plans_the_docs_print_are_what_plan_prints(capsys, monkeypatch, tmp_path):
+    """Every `$ python train_X.py --plan ...` the docs show, run as written (on meta; the data folder it names is
+    never read): it prints the docs' lines, to the digit. A change to the planner (a row, its dtype, a pipeline
+    stage's point-to-point buffers) fails here until the docs print what the planner now says."""
+    monkeypatch.chdir(tmp_path)  # the command's relative paths: nothing is read or written there
+    shown = [block for text in documentation().values() for block in re.findall(r"```\n(\$ python .*?)```", text, re.S)]
+    assert len(shown) >= 2
+    for block in shown:
+        command, *expected = block.replace("\\\n", " ").splitlines()
+        script, *argv = shlex.split(command)[2:]
+        code, printed = command_line(importlib.import_module(script.removesuffix(".py")).main, argv, capsys)
+        assert code == 0 and printed.splitlines() == expected, f"{command}\nprints\n{printed}"
+
+
 def test_plan_reads_the_strategies_own_code():
     """The planner and the formulas count what the strategies build with the strategies' own functions, passed in
     by the caller (plan.py imports no training script): a layout that needs one and lacks it is refused."""
@@ -4284,6 +4299,37 @@ def test_bench_pipeline_measures_what_the_formulas_say(corpus, tmp_path):
             assert 0 < stage["bubble"] < 1, stage
     gpipe, one_f_one_b = rows[0]["stages"], rows[2]["stages"]
     assert gpipe[1]["saved_bytes"] == 4 * one_f_one_b[1]["saved_bytes"]  # the last stage: 4 micro-batches, or 1
+
+
+def _measured_pipeline(argv, out_path):
+    """train_pp.main(argv) inside bench_pipeline.py's worker, which writes this rank's steps to out_path.<rank>."""
+    real_exchange, real_step = train_pp.exchange, train_pp.PipelineParallel.step
+    try:
+        bench_pipeline.worker(argv, out_path)
+    finally:  # the worker wraps both for the rest of its process: a launched world runs other tests after this one
+        train_pp.exchange, train_pp.PipelineParallel.step = real_exchange, real_step
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pipeline_plan_of_point_to_point_is_what_the_stages_send(corpus, shared_tmp, dtype):
+    """The planner's point-to-point row of the last stage, the activation it receives and the gradient it sends back
+    for one micro-batch, is what bench.py --pipeline measures the two stages send each micro-batch (the first its
+    activations, the last their gradients): 2 stages, 4 micro-batches of 2, in float32 and under --dtype bfloat16,
+    the dtype of the row docs/memory.md prints. The first stage receives no activation: no row."""
+    out_path = os.path.join(shared_tmp, "sends")
+    argv = flags(corpus, os.path.join(shared_tmp, "out"), pp=2, global_batch=8, micro_batch=2, max_steps=2,
+                 eval_interval=0, dtype=dtype)
+    run_distributed(2, _measured_pipeline, argv, out_path)
+    sent = []
+    for stage in range(2):
+        with open(f"{out_path}.{stage}") as f:
+            sent.append({record["sent_bytes"] / 4 for record in json.load(f)})  # per micro-batch, every step alike
+    assert all(len(bytes_a_step) == 1 for bytes_a_step in sent), sent
+    layout = plan.Layout("pp", 2, 1, 1, 2, dtype, device="cpu", pp=2, micro_batches=4, schedule="1f1b")
+    config = gpt.make_config("tiny", 256, 32)
+    rows = [dict(plan.stage_plan(config, layout, stage, train_pp.stage_layers, train_pp.schedule)) for stage in (0, 1)]
+    point_to_point = [[size for item, size in stage.items() if "point to point" in item] for stage in rows]
+    assert point_to_point == [[], [sent[0].pop() + sent[1].pop()]], (point_to_point, sent)
 
 
 def test_pipeline_schedules_hold_what_their_papers_say():
