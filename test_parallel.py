@@ -71,6 +71,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 LAUNCHED_WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # > 1: under torchrun with several ranks
 WORKER_TIMEOUT_S = 300  # a whole multi-rank test; a hang fails the test instead of the suite
 COLLECTIVE_TIMEOUT_S = 60  # a rank stuck in a collective raises after this
+COMPILE_TIMEOUT_S = 600  # a run that compiles: a rank's first torch.compile (~45 s on an idle 2-core machine, minutes
+# on a loaded one: over 60 s at a load average of 10) keeps its peers waiting in a collective, as a pipeline's next
+# stage waits for its first activation
 
 
 def _free_port():
@@ -79,13 +82,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, timeout_s):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # two cores: one thread a rank, or every rank slows ~2.5x
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         result = fn(*args)
         dist.barrier()  # rank 0 hosts the group's store: nobody leaves while another rank may still need it
         queue.put((rank, True, result))
@@ -98,15 +100,15 @@ def _worker(rank, world_size, port, fn, args, queue):
 
 
 def _ensure_launched_group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    if not dist.is_initialized():  # one group for every test, a test that compiles among them
+        dist.init_process_group("gloo", timeout=timedelta(seconds=COMPILE_TIMEOUT_S))
 
 
-def run_distributed(world_size, fn, *args):
-    """fn(*args) on `world_size` ranks of a gloo group; returns the list of the ranks' results (plain values
-    or numpy arrays: tensors do not survive the trip from a worker that exits). Under plain pytest or a
-    one-process torchrun, forks the workers; under torchrun with N > 1 ranks, runs on the launched world and
-    skips a test that needs another size."""
+def run_distributed(world_size, fn, *args, timeout_s=COLLECTIVE_TIMEOUT_S):
+    """fn(*args) on `world_size` ranks of a gloo group whose collectives wait at most timeout_s (COMPILE_TIMEOUT_S
+    for a run that compiles); returns the list of the ranks' results (plain values or numpy arrays: tensors do not
+    survive the trip from a worker that exits). Under plain pytest or a one-process torchrun, forks the workers;
+    under torchrun with N > 1 ranks, runs on the launched world and skips a test that needs another size."""
     if LAUNCHED_WORLD > 1:
         if world_size != LAUNCHED_WORLD:
             pytest.skip(f"needs {world_size} ranks; launched with {LAUNCHED_WORLD}")
@@ -125,19 +127,20 @@ def run_distributed(world_size, fn, *args):
     context = multiprocessing.get_context("fork")  # 0.1 s a worker; spawn and forkserver take seconds
     queue = context.Queue()
     port = _free_port()
-    workers = [context.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+    workers = [context.Process(target=_worker, args=(r, world_size, port, fn, args, queue, timeout_s), daemon=True)
                for r in range(world_size)]
     for w in workers:
         w.start()
     results, errors = {}, []
-    deadline = time.time() + WORKER_TIMEOUT_S
+    worker_timeout_s = max(WORKER_TIMEOUT_S, 2 * timeout_s)
+    deadline = time.time() + worker_timeout_s
     try:
         while len(results) + len(errors) < world_size:
             try:
                 rank, ok, value = queue.get(timeout=max(0.1, deadline - time.time()))
             except Exception:
                 missing = sorted(set(range(world_size)) - set(results))
-                pytest.fail(f"ranks {missing} gave no result within {WORKER_TIMEOUT_S}s")
+                pytest.fail(f"ranks {missing} gave no result within {worker_timeout_s}s")
             if ok:
                 results[rank] = value
             else:
@@ -1213,7 +1216,8 @@ def recorded_communication(corpus, tmp_path_factory, compile=False):
     """Rank 0's events of a 2-rank run with 0.25 MiB buckets (several buckets for the tiny model's 3.4 MB)."""
     if compile not in _communication:
         argv = flags(corpus, shared_folder(tmp_path_factory, "ddp_events"), bucket_mb=0.25, compile=compile)
-        _communication[compile] = run_distributed(2, _train_recording_communication, argv)[0]
+        timeout_s = COMPILE_TIMEOUT_S if compile else COLLECTIVE_TIMEOUT_S
+        _communication[compile] = run_distributed(2, _train_recording_communication, argv, timeout_s=timeout_s)[0]
     return _communication[compile]
 
 
@@ -1452,8 +1456,8 @@ COMM_LAYOUTS = {  # bench.py's name -> (script, ranks, flags, plan.comm_formula'
 
 
 @launches_its_own_ranks
-@pytest.mark.parametrize("strategy, dtype", [pytest.param(strategy, "float32", id=strategy) for strategy in COMM_LAYOUTS]
-                         + [pytest.param(strategy, "bfloat16", id=f"{strategy}-bfloat16") for strategy in ("ddp", "fsdp")])
+@pytest.mark.parametrize("strategy, dtype", [pytest.param(name, "float32", id=name) for name in COMM_LAYOUTS]
+                         + [pytest.param(name, "bfloat16", id=f"{name}-bfloat16") for name in ("ddp", "fsdp")])
 def test_bench_formula_counts_every_collective(strategy, dtype, corpus, tmp_path):
     """What one step of our strategy sends, read from the profiler by bench.py, is its formula: the same number of
     collectives, and the bytes within 1% (measured: equal to the byte, but for 2 bytes in train_2d.py's gradient
@@ -1955,7 +1959,8 @@ def test_fsdp_prefetches_one_unit_ahead(compile):
     """Forward: block i+1's all-gather is issued after block i starts and before it ends, block i+2's only
     after it ends. Backward: block i-1's all-gather is issued before block i's reduce-scatter (the end of
     its backward), and after block i+1's. Under --compile too: the units' hooks run between compiled blocks."""
-    events, units = run_distributed(2, _prefetch_order, compile)[0]
+    timeout_s = COMPILE_TIMEOUT_S if compile else COLLECTIVE_TIMEOUT_S
+    events, units = run_distributed(2, _prefetch_order, compile, timeout_s=timeout_s)[0]
     position = {event: events.index(event) for event in reversed(events)}  # first occurrence
     last = {event: len(events) - 1 - events[::-1].index(event) for event in events}
     for block in range(1, units - 1):
@@ -2473,7 +2478,8 @@ def test_compile_matches_eager_single(corpus, shared_tmp, tmp_path_factory, layo
     ours and PyTorch's: the same losses, grad norms and weights as eager train_single.py. Inductor caches compiled
     kernels on disk, so the runs after the first compile little."""
     main, ranks, extra = LAYOUTS[layout]
-    run_distributed(ranks, main, flags(corpus, shared_tmp, compile=True, impl=impl, **extra))
+    argv = flags(corpus, shared_tmp, compile=True, impl=impl, **extra)
+    run_distributed(ranks, main, argv, timeout_s=COMPILE_TIMEOUT_S)
     assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory), COMPILE_TOLERANCE,
                       COMPILE_WEIGHT_TOLERANCE)
 
@@ -2878,7 +2884,7 @@ def test_activation_checkpointing_composes(corpus, shared_tmp, tmp_path_factory,
     the forward's autocast state): the same results as without checkpointing."""
     main, ranks, extra = LAYOUTS[layout]
     argv = flags(corpus, shared_tmp, activation_checkpointing=True, **dict(extra, **options))
-    run_distributed(ranks, main, argv)
+    run_distributed(ranks, main, argv, timeout_s=COMPILE_TIMEOUT_S if "compile" in options else COLLECTIVE_TIMEOUT_S)
     if "compile" in options:
         assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory), COMPILE_TOLERANCE,
                           COMPILE_WEIGHT_TOLERANCE)
@@ -3031,7 +3037,7 @@ def test_activation_checkpointing_keeps_only_block_inputs():
 # the script's own file is what runs and what its code fingerprint hashes.
 
 LAUNCH_TIMEOUT_S = 120  # a whole launch; a hang fails the test instead of the suite
-COLLECTIVE_TIMEOUT_S = 20  # --timeout of the launched runs: a failure must end the job well before it
+LAUNCHED_TIMEOUT_S = 20  # --timeout of the launched runs: a failure must end the job well before it
 KILL_STEP = 3  # with --ckpt_interval 2 the latest checkpoint is then step 2's: steps 2 and 3 are redone
 
 
@@ -3232,11 +3238,11 @@ def test_killed_worker_ends_the_job_then_resume_finishes_it(corpus, tmp_path, tm
     threads, seconds faster to start. With dropout: the masks after the resume are the ones the killed run would
     have drawn."""
     out_dir = tmp_path / "out"
-    argv = flags(corpus, out_dir, ckpt_interval=2, timeout=COLLECTIVE_TIMEOUT_S, dropout=DROPOUT)
+    argv = flags(corpus, out_dir, ckpt_interval=2, timeout=LAUNCHED_TIMEOUT_S, dropout=DROPOUT)
     code, output, seconds = launch_with_fault(tmp_path, "kill", argv)
     print(f"\nkilled rank 1 at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
     assert code != 0
-    assert seconds < COLLECTIVE_TIMEOUT_S, output[-5000:]
+    assert seconds < LAUNCHED_TIMEOUT_S, output[-5000:]
     # torchrun names rank 1 and its SIGKILL: as the root cause, or under Failures when rank 0's "Connection closed
     # by peer" is stamped first (its error file holds the time of the exception; rank 1's death, the time seen)
     assert re.search(r"rank      : 1 \(local_rank: 1\)\n\s*exitcode  : -9 .*SIGKILL", output), output[-5000:]
@@ -3253,7 +3259,7 @@ def test_sigterm_to_torchrun_saves_the_step_and_resume_is_bit_identical(corpus, 
     the step, save step 4's checkpoint and exit with PREEMPTED_EXIT_CODE, saying so in one line; the resumed run
     ends bit-identical to the one never stopped, dropout masks included."""
     out_dir = tmp_path / "out"
-    argv = flags(corpus, out_dir, ckpt_interval=100, timeout=COLLECTIVE_TIMEOUT_S, dropout=DROPOUT)
+    argv = flags(corpus, out_dir, ckpt_interval=100, timeout=LAUNCHED_TIMEOUT_S, dropout=DROPOUT)
     code, output, seconds = launch_with_fault(tmp_path, "sigterm_torchrun", argv)
     print(f"\nSIGTERM to torchrun at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
     assert code != 0 and seconds < training.SIGTERM_GRACE_S, output[-5000:]
@@ -3276,7 +3282,7 @@ def test_elastic_restart_resumes_from_the_checkpoint(corpus, tmp_path, tmp_path_
     torch 2.13 + gloo the restarted ranks fail in init_process_group with "Gloo connectFullMesh failed ...
     Connection refused" without it."""
     out_dir = tmp_path / "out"
-    argv = flags(corpus, out_dir, ckpt_interval=2, timeout=COLLECTIVE_TIMEOUT_S, resume=True, dropout=DROPOUT)
+    argv = flags(corpus, out_dir, ckpt_interval=2, timeout=LAUNCHED_TIMEOUT_S, resume=True, dropout=DROPOUT)
     wrapper, marker = fault_wrapper(tmp_path, fault="kill")
     with launcher(tmp_path) as start:
         code, output, _ = start(*standalone(2, wrapper, argv, "--max-restarts=1"),
@@ -3310,7 +3316,7 @@ def test_stuck_rank_makes_the_others_time_out(corpus, tmp_path):
 @pytest.mark.parametrize("disagreement", ["arguments", "code"])
 def test_ranks_that_disagree_stop_at_start(corpus, tmp_path, disagreement):
     """Other flags or a stale copy of the script on one rank: every rank stops before training, naming it."""
-    argv = flags(corpus, tmp_path / "out", timeout=COLLECTIVE_TIMEOUT_S)
+    argv = flags(corpus, tmp_path / "out", timeout=LAUNCHED_TIMEOUT_S)
     if disagreement == "arguments":
         wrapper, _ = fault_wrapper(tmp_path, extra_argv=["--lr", "0.002"])
     else:
@@ -4016,7 +4022,7 @@ def test_ctrl_c_ends_every_rank_in_seconds_with_one_line(corpus, tmp_path):
     """SIGINT to the whole launch, as a terminal's Ctrl-C sends it: every rank ends within seconds, our output is
     one line and no rank prints a traceback, and no .tmp folder is left."""
     out_dir = tmp_path / "out"
-    argv = flags(corpus, out_dir, max_steps=100000, ckpt_interval=5, timeout=COLLECTIVE_TIMEOUT_S)
+    argv = flags(corpus, out_dir, max_steps=100000, ckpt_interval=5, timeout=LAUNCHED_TIMEOUT_S)
     with launcher(tmp_path) as start:
         launch = start(*standalone(2, "train_ddp.py", argv))
         deadline = time.time() + 60
@@ -4226,7 +4232,7 @@ def test_pipeline_bfloat16_and_compile(corpus, shared_tmp, tmp_path_factory):
     reference = single_run(corpus, tmp_path_factory, dtype="bfloat16", max_steps=3).losses
     assert len(losses) == 3 and max(abs(a - b) / b for a, b in zip(losses, reference)) < BF16_TOLERANCE
     compiled = shared_folder(tmp_path_factory, "pp_compiled")
-    run_distributed(2, train_pp.main, flags(corpus, compiled, compile=True))
+    run_distributed(2, train_pp.main, flags(corpus, compiled, compile=True), timeout_s=COMPILE_TIMEOUT_S)
     assert_runs_match(read_run(str(compiled)), single_run(corpus, tmp_path_factory), COMPILE_TOLERANCE,
                       COMPILE_WEIGHT_TOLERANCE)
 
