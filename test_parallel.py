@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -72,6 +73,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 LAUNCHED_WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # > 1: under torchrun with several ranks
 WORKER_TIMEOUT_S = 300  # a whole multi-rank test; a hang fails the test instead of the suite
 COLLECTIVE_TIMEOUT_S = 60  # a rank stuck in a collective raises after this
+COMPILE_TIMEOUT_S = 600  # a run that compiles: a rank's first torch.compile (~45 s on an idle 2-core machine, minutes
+# on a loaded one: over 60 s at a load average of 10) keeps its peers waiting in a collective, as a pipeline's next
+# stage waits for its first activation
 
 
 def _free_port():
@@ -80,13 +84,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, timeout_s):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # two cores: one thread a rank, or every rank slows ~2.5x
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         result = fn(*args)
         dist.barrier()  # rank 0 hosts the group's store: nobody leaves while another rank may still need it
         queue.put((rank, True, result))
@@ -99,15 +102,15 @@ def _worker(rank, world_size, port, fn, args, queue):
 
 
 def _ensure_launched_group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    if not dist.is_initialized():  # one group for every test, a test that compiles among them
+        dist.init_process_group("gloo", timeout=timedelta(seconds=COMPILE_TIMEOUT_S))
 
 
-def run_distributed(world_size, fn, *args):
-    """fn(*args) on `world_size` ranks of a gloo group; returns the list of the ranks' results (plain values
-    or numpy arrays: tensors do not survive the trip from a worker that exits). Under plain pytest or a
-    one-process torchrun, forks the workers; under torchrun with N > 1 ranks, runs on the launched world and
-    skips a test that needs another size."""
+def run_distributed(world_size, fn, *args, timeout_s=COLLECTIVE_TIMEOUT_S):
+    """fn(*args) on `world_size` ranks of a gloo group whose collectives wait at most timeout_s (COMPILE_TIMEOUT_S
+    for a run that compiles); returns the list of the ranks' results (plain values or numpy arrays: tensors do not
+    survive the trip from a worker that exits). Under plain pytest or a one-process torchrun, forks the workers;
+    under torchrun with N > 1 ranks, runs on the launched world and skips a test that needs another size."""
     if LAUNCHED_WORLD > 1:
         if world_size != LAUNCHED_WORLD:
             pytest.skip(f"needs {world_size} ranks; launched with {LAUNCHED_WORLD}")
@@ -126,19 +129,20 @@ def run_distributed(world_size, fn, *args):
     context = multiprocessing.get_context("fork")  # 0.1 s a worker; spawn and forkserver take seconds
     queue = context.Queue()
     port = _free_port()
-    workers = [context.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+    workers = [context.Process(target=_worker, args=(r, world_size, port, fn, args, queue, timeout_s), daemon=True)
                for r in range(world_size)]
     for w in workers:
         w.start()
     results, errors = {}, []
-    deadline = time.time() + WORKER_TIMEOUT_S
+    worker_timeout_s = max(WORKER_TIMEOUT_S, 2 * timeout_s)
+    deadline = time.time() + worker_timeout_s
     try:
         while len(results) + len(errors) < world_size:
             try:
                 rank, ok, value = queue.get(timeout=max(0.1, deadline - time.time()))
             except Exception:
                 missing = sorted(set(range(world_size)) - set(results))
-                pytest.fail(f"ranks {missing} gave no result within {WORKER_TIMEOUT_S}s")
+                pytest.fail(f"ranks {missing} gave no result within {worker_timeout_s}s")
             if ok:
                 results[rank] = value
             else:
@@ -1104,14 +1108,14 @@ def test_data_parallel_scripts_run_without_torchrun(corpus, tmp_path):
 
 
 def _train_recording_rows(argv):
-    """train_ddp.main on this rank; returns {step: [token rows this rank trained on]}."""
+    """train_ddp.main on this rank; returns {(split, step): [token rows this rank read]}: the rows it trained on at
+    each step, and the rows each evaluation read from validation batch `step` (every evaluation reads batch 0 on)."""
     rows = {}
     real_get = training.BatchSampler.get
 
     def get(sampler, step, micro_step):
         x, y = real_get(sampler, step, micro_step)
-        if sampler.split == 0:
-            rows.setdefault(step, []).extend(row.tobytes() for row in x.numpy())
+        rows.setdefault((("train", "val")[sampler.split], step), []).extend(row.tobytes() for row in x.numpy())
         return x, y
 
     training.BatchSampler.get = get
@@ -1139,17 +1143,21 @@ def ddp_run(corpus, tmp_path_factory, world_size, **overrides):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_matches_single_device(corpus, tmp_path_factory, world_size):
     """Losses and weights after 6 steps (accumulation 8 / (2 x world_size), clipping on) equal train_single's,
-    and the ranks split every global batch between them without overlap."""
+    and the ranks split every global batch between them without overlap: the training batch of every step, and the
+    validation batch every evaluation reads (the validation set is single's whatever the layout, each rank reading
+    its own rows of it once an evaluation)."""
     run, rows = ddp_run(corpus, tmp_path_factory, world_size)
     assert_runs_match(run, single_run(corpus, tmp_path_factory))
-    single = training.BatchSampler(os.path.join(corpus, "train.bin"), block_size=32, global_batch=16, micro_batch=2,
-                              dp_rank=0, dp_size=1, seed=1234, device=torch.device("cpu"))  # as flags() sets them
-    for step in range(6):
-        everyone = [row.numpy().tobytes() for micro_step in range(single.accumulation)
-                    for row in single.get(step, micro_step)[0]]
-        ranks = [set(rank_rows[step]) for rank_rows in rows]
-        assert all(len(r) == 16 // world_size for r in ranks), "every rank trains on its share of the rows"
-        assert set.union(*ranks) == set(everyone), "the ranks together see exactly the global batch"
+    batches = [("train", step) for step in range(6)] + [("val", 0)]  # eval_iters 1: validation batch 0 alone
+    assert {key for rank_rows in rows for key in rank_rows} == set(batches)
+    for split, step in batches:
+        everyone = [row.numpy().tobytes() for row in independent_batch(corpus, split, step)[0]]  # as flags() sets it
+        reads = 1 if split == "train" else 2  # the validation batch at the first and the last step
+        for rank_rows in rows:
+            assert len(rank_rows[split, step]) == reads * 16 // world_size, "every rank reads its share of the rows"
+        ranks = [set(rank_rows[split, step]) for rank_rows in rows]
+        assert all(len(r) == 16 // world_size for r in ranks), f"{split} {step}: ranks overlap or read a row twice"
+        assert set.union(*ranks) == set(everyone), f"{split} {step}: the ranks together see exactly the batch"
 
 
 @pytest.mark.parametrize("dropout", [0, DROPOUT])
@@ -1223,7 +1231,8 @@ def recorded_communication(corpus, tmp_path_factory, compile=False):
     """Rank 0's events of a 2-rank run with 0.25 MiB buckets (several buckets for the tiny model's 3.4 MB)."""
     if compile not in _communication:
         argv = flags(corpus, shared_folder(tmp_path_factory, "ddp_events"), bucket_mb=0.25, compile=compile)
-        _communication[compile] = run_distributed(2, _train_recording_communication, argv)[0]
+        timeout_s = COMPILE_TIMEOUT_S if compile else COLLECTIVE_TIMEOUT_S
+        _communication[compile] = run_distributed(2, _train_recording_communication, argv, timeout_s=timeout_s)[0]
     return _communication[compile]
 
 
@@ -1274,6 +1283,31 @@ def test_ddp_one_all_reduce_per_bucket_per_step(corpus, tmp_path_factory):
         assert launched == expected, f"step {step}, micro-step {micro_step}: buckets {launched} all-reduced"
     names = [name for names in bucket_names for name in names]
     assert len(names) == len(set(names)) and "wte.weight" in names  # the tied embedding / LM head: one bucket, once
+
+
+def test_ddp_buckets_of_gpt2_at_the_default_bucket_mb(monkeypatch):
+    """GPT-2 124M's gradients at train_ddp.py's default --bucket_mb: the first bucket (the first gradients backward
+    produces: ln_f's and the last block's last ones) holds at most 1 MiB, as DistributedDataParallel's first bucket,
+    so its all-reduce starts after a few gradients and overlaps the rest of backward (the tests above run under that
+    cap, where it changes nothing). Each bucket closes only when the next gradient would take it past its cap, every
+    parameter once, in backward's order; a parameter larger than the cap (the tied embedding) fills a bucket alone."""
+    parsers, real_get_parser = [], training.get_parser
+    monkeypatch.setattr(training, "get_parser", lambda *args: parsers.append(real_get_parser(*args)) or parsers[-1])
+    with pytest.raises(SystemExit):
+        train_ddp.main(["--help"])
+    bucket_mb = parsers[0].get_default("bucket_mb")
+    with torch.device("meta"):
+        named = list(gpt.GPT(gpt.make_config("gpt2", 50257, 1024)).named_parameters())
+    buckets = train_ddp.assign_buckets(named, bucket_mb)
+    mib = [sum(param.numel() * param.element_size() for _, param in bucket) / 2**20 for bucket in buckets]
+    print(f"--bucket_mb {bucket_mb}: {len(buckets)} buckets, the first {mib[0]:.3f} MiB, the largest {max(mib):.1f}")
+    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in reversed(named)]
+    caps = [1] + [bucket_mb] * (len(buckets) - 1)
+    for bucket, size, cap, following in zip(buckets, mib, caps, buckets[1:] + [None]):
+        assert size <= cap or len(bucket) == 1, f"a bucket of {size:.2f} MiB under a cap of {cap} MiB"
+        if following:  # closed only when the next gradient would not fit
+            assert size + following[0][1].numel() * following[0][1].element_size() / 2**20 > cap
+    assert mib[0] <= 1 and bucket_mb == 25
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1437,21 +1471,25 @@ COMM_LAYOUTS = {  # bench.py's name -> (script, ranks, flags, plan.comm_formula'
 
 
 @launches_its_own_ranks
-@pytest.mark.parametrize("strategy, model", [(strategy, "tiny") for strategy in COMM_LAYOUTS]
-                         + [("2d", "llama-tiny")])
-def test_bench_formula_counts_every_collective(strategy, model, corpus, tmp_path):
+@pytest.mark.parametrize("strategy, model, dtype",
+                         [pytest.param(name, "tiny", "float32", id=name) for name in COMM_LAYOUTS]
+                         + [pytest.param(name, "tiny", "bfloat16", id=f"{name}-bfloat16") for name in ("ddp", "fsdp")]
+                         + [pytest.param("2d", "llama-tiny", "float32", id="2d-llama-tiny")])
+def test_bench_formula_counts_every_collective(strategy, model, dtype, corpus, tmp_path):
     """What one step of our strategy sends, read from the profiler by bench.py, is its formula: the same number of
     collectives, and the bytes within 1% (measured: equal to the byte, but for 2 bytes in train_2d.py's gradient
     norm, which bench counts in groups of 2 but runs over all 4 ranks). The count catches a collective the formula
-    leaves out, however small (the logged loss's 4 bytes). On Llama's 2-D layout too: FSDP gathers the narrower
-    key/value projections, the gate and the untied head; tensor parallelism's collectives carry the residual stream,
-    as wide as GPT-2's."""
+    leaves out, however small (the logged loss's 4 bytes). Under --dtype bfloat16 DDP's buckets and FSDP's
+    reduce-scatters still carry float32 gradients while FSDP gathers bfloat16 weights: a gradient reduced in bf16
+    would send half the bytes the formula counts (tensor parallelism's bf16 activations have tests of their own). On
+    Llama's 2-D layout too: FSDP gathers the narrower key/value projections, the gate and the untied head; tensor
+    parallelism's collectives carry the residual stream, as wide as GPT-2's."""
     script, ranks, extra, layout = COMM_LAYOUTS[strategy]
     args = argparse.Namespace(model=model, data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
-                              dtype="float32", compile=False, threads=1)
+                              dtype=dtype, compile=False, threads=1)
     row = bench.run_once(args, strategy, script, ranks, extra, "ours", 2, 8, str(tmp_path))
-    terms = plan.comm_formula(strategy.split("_")[0], gpt.make_config(model, 256, 32), 8, backend="gloo",
-                              buckets=train_ddp.assign_buckets, **bench.STRATEGY_CODE, **layout)
+    terms = plan.comm_formula(strategy.split("_")[0], gpt.make_config(model, 256, 32), 8, dtype=dtype,
+                              backend="gloo", buckets=train_ddp.assign_buckets, **bench.STRATEGY_CODE, **layout)
     assert row["collectives"] == sum(term.count for term in terms), terms
     assert row["comm_bytes"] == pytest.approx(sum(term.bytes for term in terms), rel=0.01), terms
 
@@ -2047,6 +2085,51 @@ def test_fsdp_wraps_any_module_with_frozen_parameters():
             np.testing.assert_allclose(full[name], expected, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+def _fully_sharded_over_a_subgroup():
+    """_any_module's model and two clipped SGD steps, sharded over a strided group of 4 of 8 ranks (as train_2d.py's
+    data-parallel groups), each group on its own batch: (the weights, the clip's norms and the reference's, whether a
+    rank of the group holds nothing but padding)."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 2, 4, 6]), dist.new_group([1, 3, 5, 7])]  # every rank creates every group
+    group = groups[rank % 2]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 5))  # a bias of 5
+    model[0].bias.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(rank % 2)  # the group's batch
+    x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 5, generator=generator)
+    fsdp = train_fsdp.FullyShardedDataParallel(model, units=[model[0], model[2]], process_group=group)
+    rows = slice(2 * dist.get_rank(group), 2 * dist.get_rank(group) + 2)
+    norms = []
+    for module, inputs, targets in [(fsdp, x[rows], y[rows]), (reference, x, y)]:
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.1)
+        for _ in range(2):
+            torch.nn.functional.mse_loss(module(inputs), targets).backward()
+            if module is fsdp:
+                norms.append(fsdp.clip_grad_norm_(0.5).item())  # below every norm here: the clip scales each step
+            else:
+                norms.append(nn.utils.clip_grad_norm_(module.parameters(), 0.5).item())
+            optimizer.step()
+            optimizer.zero_grad()
+    full = {name: tensor.numpy() for name, tensor in named_full_parameters(fsdp)}
+    padding_alone = any(flat.padding >= flat.shard_size for flat in fsdp.flats)
+    return full, {name: param.detach().numpy() for name, param in reference.named_parameters()}, norms, padding_alone
+
+
+def test_fsdp_over_strided_subgroups_with_a_rank_of_padding_alone():
+    """8 ranks as two strided groups of 4, each sharding its own copy over its own group alone, as train_2d.py's
+    data-parallel groups do (there, the only place the group is not the world): each group's gathers,
+    reduce-scatters and gradient norm stay within it, and two clipped SGD steps give what the whole model takes on
+    the group's whole batch. Over 4 ranks the last bias (5 elements, shards of 2) pads 3: one rank holds padding
+    alone."""
+    for rank, (full, reference, norms, padding_alone) in enumerate(run_distributed(8, _fully_sharded_over_a_subgroup)):
+        assert full.keys() == reference.keys()
+        for name, expected in reference.items():
+            np.testing.assert_allclose(full[name], expected, rtol=1e-5, atol=1e-7, err_msg=f"rank {rank}: {name}")
+        np.testing.assert_allclose(norms[:2], norms[2:], rtol=1e-5, err_msg=f"rank {rank}: gradient norms")
+        assert min(norms) > 0.5 and padding_alone
+
+
 def _prefetch_order(compile):
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     model, fsdp, _ = _build(config)
@@ -2083,7 +2166,8 @@ def test_fsdp_prefetches_one_unit_ahead(compile):
     """Forward: block i+1's all-gather is issued after block i starts and before it ends, block i+2's only
     after it ends. Backward: block i-1's all-gather is issued before block i's reduce-scatter (the end of
     its backward), and after block i+1's. Under --compile too: the units' hooks run between compiled blocks."""
-    events, units = run_distributed(2, _prefetch_order, compile)[0]
+    timeout_s = COMPILE_TIMEOUT_S if compile else COLLECTIVE_TIMEOUT_S
+    events, units = run_distributed(2, _prefetch_order, compile, timeout_s=timeout_s)[0]
     position = {event: events.index(event) for event in reversed(events)}  # first occurrence
     last = {event: len(events) - 1 - events[::-1].index(event) for event in events}
     for block in range(1, units - 1):
@@ -2442,22 +2526,35 @@ def test_tp_bad_layout_is_a_clear_error(corpus, tmp_path, world_size, bad, messa
     assert all(error and message in error and "\n" not in error for error in errors), errors
 
 
+GENERATED_PROMPTS = [torch.arange(10, 10 + length)[None] for length in range(1, 5)]  # every length mod 2 and 4
+
+
 def _generate(sequence_parallel):
     config = gpt.make_config("tiny", vocab_size=256, block_size=16)
     model = _tensor_parallel_model(config, 3, sequence_parallel).eval()
+    with torch.no_grad():
+        logits = [model(prompt).numpy() for prompt in GENERATED_PROMPTS]
     prompt = torch.tensor([[10, 20, 30]])  # 3 tokens: not a multiple of tp, as every other length on the way
-    return gpt.generate(model, prompt, 12, config.block_size, config.vocab_size, seed=1).numpy()
+    return gpt.generate(model, prompt, 12, config.block_size, config.vocab_size, seed=1).numpy(), logits
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp_generate_matches_single(sequence_parallel):
-    """Sampling (no targets) gets the whole logits back, at any prompt length, under sequence parallelism too."""
+@pytest.mark.parametrize("tp, sequence_parallel", [(2, False), (2, True), (4, True)])
+def test_tp_generate_matches_single(tp, sequence_parallel):
+    """Sampling (no targets) gets the whole logits back at any prompt length, under sequence parallelism too, where
+    a prompt is padded to a multiple of tp and the padding dropped: prompts of 1 to 4 tokens (every length mod tp)
+    give one device's logits, and the 12 tokens sampled after 3 (lengths 3 to 14) are one device's. At tp 2 a
+    prompt padded by its remainder instead of what completes the multiple still comes out right; at tp 4 not."""
     config = gpt.make_config("tiny", vocab_size=256, block_size=16)
     model = gpt.GPT(config).eval()
     model.init_weights(seed=3)
     expected = gpt.generate(model, torch.tensor([[10, 20, 30]]), 12, config.block_size, 256, seed=1).numpy()
-    for tokens in run_distributed(2, _generate, sequence_parallel):
+    with torch.no_grad():
+        expected_logits = [model(prompt).numpy() for prompt in GENERATED_PROMPTS]
+    for tokens, logits in run_distributed(tp, _generate, sequence_parallel):
         np.testing.assert_array_equal(tokens, expected)
+        for prompt, found, reference in zip(GENERATED_PROMPTS, logits, expected_logits):
+            assert found.shape == reference.shape, (prompt.shape, found.shape)
+            np.testing.assert_allclose(found, reference, rtol=0, atol=1e-5, err_msg=f"{prompt.shape[1]} tokens")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -2590,7 +2687,8 @@ def test_compile_matches_eager_single(corpus, shared_tmp, tmp_path_factory, layo
     ours and PyTorch's: the same losses, grad norms and weights as eager train_single.py. Inductor caches compiled
     kernels on disk, so the runs after the first compile little."""
     main, ranks, extra = LAYOUTS[layout]
-    run_distributed(ranks, main, flags(corpus, shared_tmp, compile=True, impl=impl, **extra))
+    argv = flags(corpus, shared_tmp, compile=True, impl=impl, **extra)
+    run_distributed(ranks, main, argv, timeout_s=COMPILE_TIMEOUT_S)
     assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory), COMPILE_TOLERANCE,
                       COMPILE_WEIGHT_TOLERANCE)
 
@@ -3006,7 +3104,7 @@ def test_activation_checkpointing_composes(corpus, shared_tmp, tmp_path_factory,
     the forward's autocast state): the same results as without checkpointing."""
     main, ranks, extra = LAYOUTS[layout]
     argv = flags(corpus, shared_tmp, activation_checkpointing=True, **dict(extra, **options))
-    run_distributed(ranks, main, argv)
+    run_distributed(ranks, main, argv, timeout_s=COMPILE_TIMEOUT_S if "compile" in options else COLLECTIVE_TIMEOUT_S)
     if "compile" in options:
         assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory), COMPILE_TOLERANCE,
                           COMPILE_WEIGHT_TOLERANCE)
@@ -3107,6 +3205,20 @@ def test_plan_prints_without_building_the_model(capsys, tmp_path):
     assert code == 0 and re.search(r"does not fit: needs [\d,.]+ GB; try .*train_fsdp.py", printed)
 
 
+def test_the_plans_the_docs_print_are_what_plan_prints(capsys, monkeypatch, tmp_path):
+    """Every `$ python train_X.py --plan ...` the docs show, run as written (on meta; the data folder it names is
+    never read): it prints the docs' lines, to the digit. A change to the planner (a row, its dtype, a pipeline
+    stage's point-to-point buffers) fails here until the docs print what the planner now says."""
+    monkeypatch.chdir(tmp_path)  # the command's relative paths: nothing is read or written there
+    shown = [block for text in documentation().values() for block in re.findall(r"```\n(\$ python .*?)```", text, re.S)]
+    assert len(shown) >= 2
+    for block in shown:
+        command, *expected = block.replace("\\\n", " ").splitlines()
+        script, *argv = shlex.split(command)[2:]
+        code, printed = command_line(importlib.import_module(script.removesuffix(".py")).main, argv, capsys)
+        assert code == 0 and printed.splitlines() == expected, f"{command}\nprints\n{printed}"
+
+
 def test_plan_reads_the_strategies_own_code():
     """The planner and the formulas count what the strategies build with the strategies' own functions, passed in
     by the caller (plan.py imports no training script): a layout that needs one and lacks it is refused."""
@@ -3152,7 +3264,7 @@ def test_activation_checkpointing_keeps_only_block_inputs():
 # the script's own file is what runs and what its code fingerprint hashes.
 
 LAUNCH_TIMEOUT_S = 120  # a whole launch; a hang fails the test instead of the suite
-COLLECTIVE_TIMEOUT_S = 20  # --timeout of the launched runs: a failure must end the job well before it
+LAUNCHED_TIMEOUT_S = 20  # --timeout of the launched runs: a failure must end the job well before it
 KILL_STEP = 3  # with --ckpt_interval 2 the latest checkpoint is then step 2's: steps 2 and 3 are redone
 
 
@@ -3353,11 +3465,11 @@ def test_killed_worker_ends_the_job_then_resume_finishes_it(corpus, tmp_path, tm
     threads, seconds faster to start. With dropout: the masks after the resume are the ones the killed run would
     have drawn."""
     out_dir = tmp_path / "out"
-    argv = flags(corpus, out_dir, ckpt_interval=2, timeout=COLLECTIVE_TIMEOUT_S, dropout=DROPOUT)
+    argv = flags(corpus, out_dir, ckpt_interval=2, timeout=LAUNCHED_TIMEOUT_S, dropout=DROPOUT)
     code, output, seconds = launch_with_fault(tmp_path, "kill", argv)
     print(f"\nkilled rank 1 at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
     assert code != 0
-    assert seconds < COLLECTIVE_TIMEOUT_S, output[-5000:]
+    assert seconds < LAUNCHED_TIMEOUT_S, output[-5000:]
     # torchrun names rank 1 and its SIGKILL: as the root cause, or under Failures when rank 0's "Connection closed
     # by peer" is stamped first (its error file holds the time of the exception; rank 1's death, the time seen)
     assert re.search(r"rank      : 1 \(local_rank: 1\)\n\s*exitcode  : -9 .*SIGKILL", output), output[-5000:]
@@ -3374,7 +3486,7 @@ def test_sigterm_to_torchrun_saves_the_step_and_resume_is_bit_identical(corpus, 
     the step, save step 4's checkpoint and exit with PREEMPTED_EXIT_CODE, saying so in one line; the resumed run
     ends bit-identical to the one never stopped, dropout masks included."""
     out_dir = tmp_path / "out"
-    argv = flags(corpus, out_dir, ckpt_interval=100, timeout=COLLECTIVE_TIMEOUT_S, dropout=DROPOUT)
+    argv = flags(corpus, out_dir, ckpt_interval=100, timeout=LAUNCHED_TIMEOUT_S, dropout=DROPOUT)
     code, output, seconds = launch_with_fault(tmp_path, "sigterm_torchrun", argv)
     print(f"\nSIGTERM to torchrun at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
     assert code != 0 and seconds < training.SIGTERM_GRACE_S, output[-5000:]
@@ -3397,7 +3509,7 @@ def test_elastic_restart_resumes_from_the_checkpoint(corpus, tmp_path, tmp_path_
     torch 2.13 + gloo the restarted ranks fail in init_process_group with "Gloo connectFullMesh failed ...
     Connection refused" without it."""
     out_dir = tmp_path / "out"
-    argv = flags(corpus, out_dir, ckpt_interval=2, timeout=COLLECTIVE_TIMEOUT_S, resume=True, dropout=DROPOUT)
+    argv = flags(corpus, out_dir, ckpt_interval=2, timeout=LAUNCHED_TIMEOUT_S, resume=True, dropout=DROPOUT)
     wrapper, marker = fault_wrapper(tmp_path, fault="kill")
     with launcher(tmp_path) as start:
         code, output, _ = start(*standalone(2, wrapper, argv, "--max-restarts=1"),
@@ -3431,7 +3543,7 @@ def test_stuck_rank_makes_the_others_time_out(corpus, tmp_path):
 @pytest.mark.parametrize("disagreement", ["arguments", "code"])
 def test_ranks_that_disagree_stop_at_start(corpus, tmp_path, disagreement):
     """Other flags or a stale copy of the script on one rank: every rank stops before training, naming it."""
-    argv = flags(corpus, tmp_path / "out", timeout=COLLECTIVE_TIMEOUT_S)
+    argv = flags(corpus, tmp_path / "out", timeout=LAUNCHED_TIMEOUT_S)
     if disagreement == "arguments":
         wrapper, _ = fault_wrapper(tmp_path, extra_argv=["--lr", "0.002"])
     else:
@@ -3919,6 +4031,88 @@ def test_a_diverged_run_stops_before_it_replaces_a_good_checkpoint(corpus, tmp_p
     assert [record["step"] for record in strict_json_lines(tmp_path / "metrics.jsonl")] == list(range(DIVERGES_AT))
 
 
+class NonFiniteGradient(torch.autograd.Function):
+    """The identity forward; in backward the gradient's first element turns NaN, as where a backward pass overflowed
+    on one rank: that rank's loss stays finite, its gradients do not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad[(0,) * grad.dim()] = float("nan")
+        return grad
+
+
+def _diverging_on_one_rank(main, argv, rank, step):
+    """main(argv) where from optimizer step `step` on every block's output gradient holds a NaN on rank `rank` alone,
+    every loss finite. Returns (the exit code and message it stops with, the last step it began, whether every tensor
+    its optimizer holds, weights and AdamW state, is bit for bit what it was when step `step` began), or None."""
+    real_set_lr, real_make_optimizer, real_forward = training.set_lr, training.make_optimizer, gpt.Block.forward
+    began, optimizers, before = [], [], []
+
+    def held():
+        optimizer = optimizers[0]
+        tensors = [param for group in optimizer.param_groups for param in group["params"]]
+        tensors += [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+        return [tensor.detach().clone() for tensor in tensors]
+
+    def set_lr(optimizer, current, args):
+        began.append(current)
+        if current == step:
+            before.extend(held())
+        return real_set_lr(optimizer, current, args)
+
+    def make_optimizer(*args, **kwargs):
+        optimizers.append(real_make_optimizer(*args, **kwargs))
+        return optimizers[-1]
+
+    def forward(self, x):
+        out = real_forward(self, x)
+        diverged = torch.is_grad_enabled() and began and began[-1] >= step and dist.get_rank() == rank
+        return NonFiniteGradient.apply(out) if diverged else out
+
+    training.set_lr, training.make_optimizer, gpt.Block.forward = set_lr, make_optimizer, forward
+    try:
+        main(argv)
+    except training.Stopped as stopped:
+        after = held()
+        unchanged = len(after) == len(before) and all(map(torch.equal, after, before))
+        return stopped.code, str(stopped), began[-1], unchanged
+    finally:
+        training.set_lr, training.make_optimizer, gpt.Block.forward = real_set_lr, real_make_optimizer, real_forward
+    return None
+
+
+ONE_RANK_DIVERGES_AT = 2  # with --ckpt_interval 2, step 2's checkpoint holds what every rank held when it began
+
+
+@pytest.mark.parametrize("layout", ["single", "ddp", "fsdp", "tp", "2d", "pp"])
+def test_a_non_finite_gradient_on_one_rank_stops_every_rank_before_the_step(corpus, tmp_path, layout):
+    """From step 2 on one rank's gradients hold a NaN, every rank's loss finite: the last rank's (under the pipeline
+    the first stage's, whose gradients no send carries to another rank). A guard that read only its own loss would
+    train on. Every rank stops at the same step, none hangs, each with the exit code of a divergence and one line
+    naming the step and the checkpoint to resume; every tensor each rank's optimizer holds (weights, AdamW moments,
+    its step count) is bit for bit what it was when the step began; `latest` names step 2's checkpoint."""
+    main, ranks, extra = EVERY_LAYOUT[layout]
+    rank = 0 if main is train_pp.main else ranks - 1
+    argv = flags(corpus, tmp_path, max_steps=6, ckpt_interval=2, **extra)
+    outcomes = run_distributed(ranks, _diverging_on_one_rank, main, argv, rank, ONE_RANK_DIVERGES_AT)
+    assert None not in outcomes, f"ranks {[r for r, outcome in enumerate(outcomes) if outcome is None]} trained on"
+    for code, message, last_step, unchanged in outcomes:
+        assert code == training.DIVERGED_EXIT_CODE and re.search(rf"\bstep {ONE_RANK_DIVERGES_AT}\b", message), message
+        assert "ckpt-0000002" in message and "\n" not in message, message
+        assert unchanged, "the diverged step changed what the optimizer holds"
+    assert len({last_step for _, _, last_step, _ in outcomes}) == 1, "the ranks stopped at different steps"
+    assert checkpoint.latest(str(tmp_path)).endswith("ckpt-0000002") and checkpoint_steps(tmp_path) == [2]
+    saved = checkpoint.Checkpoint(checkpoint.latest(str(tmp_path)))
+    assert all(torch.isfinite(saved.full(name)).all() for name in saved.pieces)
+    steps = [record["step"] for record in strict_json_lines(tmp_path / "metrics.jsonl")]
+    assert steps == list(range(ONE_RANK_DIVERGES_AT))
+
+
 def test_metrics_are_strict_json(tmp_path):
     """A value that is not finite (a validation loss that overflowed) is written as null, which every parser reads."""
     args = training.get_parser("").parse_args(["--out_dir", str(tmp_path)])
@@ -3952,21 +4146,29 @@ def _stopped_by_signal(main, argv, number, rank=1, step=3):
     return None
 
 
+STOPPED_BY_SIGNAL = dict(WITH_DROPOUT, pp=(train_pp.main, 2, dict(pp=2, schedule="1f1b")))
+
+
 @pytest.mark.parametrize("layout, name", [("ddp", "SIGUSR1"), ("ddp", "SIGTERM"), ("fsdp", "SIGTERM"),
-                                          ("tp", "SIGTERM"), ("2d", "SIGTERM")])
+                                          ("tp", "SIGTERM"), ("2d", "SIGTERM"), ("pp", "SIGTERM")])
 def test_a_stop_signal_saves_the_step_and_resume_is_bit_identical(corpus, tmp_path_factory, shared_tmp, layout, name):
-    """SIGTERM (or SIGUSR1) to one rank at step 3: every rank finishes the step, they agree on it, save step 4's
-    checkpoint (the interval is 100) and stop with the exit code that says "resumable", SIGTERM's deadline
-    cancelled; --resume then ends bit-identical to the run that was never stopped, dropout masks included."""
-    main, ranks, extra = WITH_DROPOUT[layout]
+    """SIGTERM (or SIGUSR1) to rank 1 alone at step 3: every rank finishes the step, they agree on it (one rank's
+    request is enough), save step 4's checkpoint (the interval is 100) and stop with the exit code that says
+    "resumable", each naming step 4 and the signalled rank its signal, SIGTERM's deadline cancelled; --resume then
+    ends bit-identical to the run that was never stopped, dropout masks included."""
+    main, ranks, extra = STOPPED_BY_SIGNAL[layout]
     argv = flags(corpus, shared_tmp, dropout=DROPOUT, ckpt_interval=100, **extra)
-    for code, message, deadline_left in run_distributed(ranks, _stopped_by_signal, main, argv, signal.Signals[name]):
-        assert code == training.PREEMPTED_EXIT_CODE, message
-        assert f"({name}) after step 4" in message or "another rank" in message, message
+    stopped = run_distributed(ranks, _stopped_by_signal, main, argv, signal.Signals[name])
+    assert None not in stopped, f"ranks {[rank for rank, outcome in enumerate(stopped) if outcome is None]} ran on"
+    for rank, (code, message, deadline_left) in enumerate(stopped):
+        assert code == training.PREEMPTED_EXIT_CODE and "after step 4" in message, message
+        assert (f"({name})" in message) == (rank == 1), message
         assert deadline_left == 0, "the stop left SIGTERM's deadline armed"
     assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000004")
     run_distributed(ranks, main, argv + ["--resume"])
-    assert_identical(read_run(str(shared_tmp)), uninterrupted(corpus, tmp_path_factory, layout))
+    reference = (pp_run(corpus, tmp_path_factory, ranks, dropout=DROPOUT, **extra)[0] if main is train_pp.main
+                 else uninterrupted(corpus, tmp_path_factory, layout))
+    assert_identical(read_run(str(shared_tmp)), reference)
 
 
 def _no_space_on_rank_one(argv):
@@ -4057,7 +4259,7 @@ def test_ctrl_c_ends_every_rank_in_seconds_with_one_line(corpus, tmp_path):
     """SIGINT to the whole launch, as a terminal's Ctrl-C sends it: every rank ends within seconds, our output is
     one line and no rank prints a traceback, and no .tmp folder is left."""
     out_dir = tmp_path / "out"
-    argv = flags(corpus, out_dir, max_steps=100000, ckpt_interval=5, timeout=COLLECTIVE_TIMEOUT_S)
+    argv = flags(corpus, out_dir, max_steps=100000, ckpt_interval=5, timeout=LAUNCHED_TIMEOUT_S)
     with launcher(tmp_path) as start:
         launch = start(*standalone(2, "train_ddp.py", argv))
         deadline = time.time() + 60
@@ -4267,7 +4469,7 @@ def test_pipeline_bfloat16_and_compile(corpus, shared_tmp, tmp_path_factory):
     reference = single_run(corpus, tmp_path_factory, dtype="bfloat16", max_steps=3).losses
     assert len(losses) == 3 and max(abs(a - b) / b for a, b in zip(losses, reference)) < BF16_TOLERANCE
     compiled = shared_folder(tmp_path_factory, "pp_compiled")
-    run_distributed(2, train_pp.main, flags(corpus, compiled, compile=True))
+    run_distributed(2, train_pp.main, flags(corpus, compiled, compile=True), timeout_s=COMPILE_TIMEOUT_S)
     assert_runs_match(read_run(str(compiled)), single_run(corpus, tmp_path_factory), COMPILE_TOLERANCE,
                       COMPILE_WEIGHT_TOLERANCE)
 
@@ -4340,6 +4542,37 @@ def test_bench_pipeline_measures_what_the_formulas_say(corpus, tmp_path):
             assert 0 < stage["bubble"] < 1, stage
     gpipe, one_f_one_b = rows[0]["stages"], rows[2]["stages"]
     assert gpipe[1]["saved_bytes"] == 4 * one_f_one_b[1]["saved_bytes"]  # the last stage: 4 micro-batches, or 1
+
+
+def _measured_pipeline(argv, out_path):
+    """train_pp.main(argv) inside bench_pipeline.py's worker, which writes this rank's steps to out_path.<rank>."""
+    real_exchange, real_step = train_pp.exchange, train_pp.PipelineParallel.step
+    try:
+        bench_pipeline.worker(argv, out_path)
+    finally:  # the worker wraps both for the rest of its process: a launched world runs other tests after this one
+        train_pp.exchange, train_pp.PipelineParallel.step = real_exchange, real_step
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pipeline_plan_of_point_to_point_is_what_the_stages_send(corpus, shared_tmp, dtype):
+    """The planner's point-to-point row of the last stage, the activation it receives and the gradient it sends back
+    for one micro-batch, is what bench.py --pipeline measures the two stages send each micro-batch (the first its
+    activations, the last their gradients): 2 stages, 4 micro-batches of 2, in float32 and under --dtype bfloat16,
+    the dtype of the row docs/memory.md prints. The first stage receives no activation: no row."""
+    out_path = os.path.join(shared_tmp, "sends")
+    argv = flags(corpus, os.path.join(shared_tmp, "out"), pp=2, global_batch=8, micro_batch=2, max_steps=2,
+                 eval_interval=0, dtype=dtype)
+    run_distributed(2, _measured_pipeline, argv, out_path)
+    sent = []
+    for stage in range(2):
+        with open(f"{out_path}.{stage}") as f:
+            sent.append({record["sent_bytes"] / 4 for record in json.load(f)})  # per micro-batch, every step alike
+    assert all(len(bytes_a_step) == 1 for bytes_a_step in sent), sent
+    layout = plan.Layout("pp", 2, 1, 1, 2, dtype, device="cpu", pp=2, micro_batches=4, schedule="1f1b")
+    config = gpt.make_config("tiny", 256, 32)
+    rows = [dict(plan.stage_plan(config, layout, stage, train_pp.stage_layers, train_pp.schedule)) for stage in (0, 1)]
+    point_to_point = [[size for item, size in stage.items() if "point to point" in item] for stage in rows]
+    assert point_to_point == [[], [sent[0].pop() + sent[1].pop()]], (point_to_point, sent)
 
 
 def test_pipeline_schedules_hold_what_their_papers_say():
