@@ -4069,8 +4069,8 @@ def _diverging_on_one_rank(main, argv, rank, step):
         optimizers.append(real_make_optimizer(*args, **kwargs))
         return optimizers[-1]
 
-    def forward(self, x):
-        out = real_forward(self, x)
+    def forward(self, x, *args):
+        out = real_forward(self, x, *args)
         diverged = torch.is_grad_enabled() and began and began[-1] >= step and dist.get_rank() == rank
         return NonFiniteGradient.apply(out) if diverged else out
 
