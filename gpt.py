@@ -84,7 +84,7 @@ class CausalSelfAttention(nn.Module):
         self.value = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.head_dim = config.head_dim
-        self.dropout = config.dropout
+        self.attn_dropout = nn.Dropout(config.dropout)  # a module, so tensor parallelism can swap in its own
         self.resid_dropout = nn.Dropout(config.dropout)
         self.use_flash = False  # set by set_attention()
 
@@ -94,12 +94,19 @@ class CausalSelfAttention(nn.Module):
         # rank's heads, and under sequence parallelism x holds only a slice of the sequence.
         B, T, _ = q.shape
         q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
-        dropout = self.dropout if self.training else 0.0
-        if self.use_flash:
-            y = flash_attn_func(q, k, v, dropout_p=dropout, causal=True)
+        if self.training and self.attn_dropout.p > 0:
+            # nanoGPT's explicit attention: the probabilities' dropout is attn_dropout, which a strategy can replace
+            # (the fused kernels draw their masks inside). It keeps the [B, heads, T, T] probabilities for backward.
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            att = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            att = self.attn_dropout(F.softmax(att.masked_fill(~causal, float("-inf")), dim=-1))
+            y = (att @ v).transpose(1, 2)
+        elif self.use_flash:
+            y = flash_attn_func(q, k, v, causal=True)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         return self.resid_dropout(self.proj(y.reshape(B, T, -1)))
 
 

@@ -16,9 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import checkpoint
 import gpt
-import training
 
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the name before torch 2.13
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -147,7 +145,7 @@ class FullyShardedDataParallel(nn.Module):
         self.units = [[FlatParameter(entries, self, device, initial_value) for entries in unit.values()]
                       for unit in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
-        self.shards = nn.ParameterList(flat.shard for flat in self.flats)
+        self.shards = [flat.shard for flat in self.flats]  # not registered: the module's names list this rank's pieces
         for index, unit in enumerate(unit_modules(module, units)):
             unit.register_forward_pre_hook(partial(self._before_forward, index))
             unit.register_forward_hook(partial(self._after_forward, index))
@@ -158,10 +156,6 @@ class FullyShardedDataParallel(nn.Module):
         self.module.zero_grad()  # the pieces' gradients view the last step's: left set, they would keep it alive
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.module(*args, **kwargs)
-
-    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
-        """The shards, which the optimizer steps; the wrapped module's own names list this rank's pieces of them."""
-        return self.shards.named_parameters(f"{prefix}.shards".lstrip("."), recurse, remove_duplicate)
 
     def gather(self, index, direction):
         """Gather unit `index` for its modules; the next one's gather (forward +1, backward -1) starts first."""
@@ -241,6 +235,9 @@ class FullyShardedDataParallel(nn.Module):
 
 
 def main(argv=None):
+    import checkpoint  # main() is where a script meets the shared files; everything above needs torch and gpt.py
+    import training
+
     parser = training.get_parser(__doc__, "fsdp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
@@ -259,7 +256,7 @@ def main(argv=None):
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
     checkpoint_path = checkpoint.to_resume(args)
-    rank, world_size, owns_group = training.init_distributed(args, __file__, device)
+    rank, world_size, owns_group = training.init_distributed(args, device)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
     # ---- model: built on meta, left there for the strategy to materialise shard by shard (--no_deferred_init: whole)
@@ -304,7 +301,8 @@ def main(argv=None):
             loss.backward()  # each unit's gradient is reduce-scattered (averaged over ranks) as its backward ends
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
-        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
+        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -313,7 +311,6 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every rank writes the pieces its shards hold
-        stopping = stop_request.agreed(device)  # the same answer on every rank
         if checkpoint.due(step, args) or stopping:
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None
                        else checkpoint.pieces(parts, optimizer))
@@ -327,4 +324,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import training
     training.run(main)
