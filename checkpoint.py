@@ -307,10 +307,9 @@ def load(checkpoint, parts, optimizer, config):
 
 
 def resume(path, parts, optimizer, config, rank, device, tp=1):
-    """Load checkpoint `path` (None: start fresh) into this rank's parts; returns the step to continue from. The
-    random generators: each rank's own again if the layout holds them as the saving one did (the same world size,
-    tensor-parallel peers tp consecutive ranks as there); in any other layout new ones, drawn from the seed, the step
-    and rank // tp, so that tensor-parallel peers hold the same generators and data-parallel ranks their own."""
+    """Load checkpoint `path` (None: start fresh) into this rank's parts; returns the step to continue from. Each rank
+    gets its generators back if this layout shares them out as the saving one did (tp: tensor-parallel peers, which
+    share theirs); else new ones from (seed, step, rank // tp): TP peers alike, data-parallel ranks apart."""
     if path is None:
         return 0
     checkpoint = Checkpoint(path)

@@ -95,13 +95,12 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = q.shape
         q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
         if self.training and self.attn_dropout.p > 0:
-            # nanoGPT's explicit attention: the probabilities' dropout is attn_dropout, which a strategy can replace
-            # (the fused kernels draw their masks inside). It keeps the [B, heads, T, T] probabilities for backward.
+            # nanoGPT's explicit attention: attn_dropout, a module a strategy can replace, sees the [B, heads, T, T]
+            # probabilities, which backward keeps (the fused kernels below would draw their masks inside)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            att = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            att = self.attn_dropout(F.softmax(att.masked_fill(~causal, float("-inf")), dim=-1))
-            y = (att @ v).transpose(1, 2)
+            causal = torch.full((T, T), -math.inf, device=x.device).triu(1)  # no position sees a later one
+            att = F.softmax(q @ k.transpose(-2, -1) * self.head_dim**-0.5 + causal, dim=-1)
+            y = (self.attn_dropout(att) @ v).transpose(1, 2)
         elif self.use_flash:
             y = flash_attn_func(q, k, v, causal=True)
         else:

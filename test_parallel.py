@@ -423,6 +423,33 @@ def test_tf32_only_when_asked():
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
 
+@pytest.mark.skipif(dist.is_initialized() or LAUNCHED_WORLD > 1, reason="joins a process group of its own")
+def test_cuda_rank_takes_its_gpu_and_binds_the_process_group_to_it(monkeypatch):
+    """On CUDA (mocked here: no GPU), LOCAL_RANK picks the GPU only where the rank sees several (a launcher that shows
+    each process its own GPU leaves index 0), and init_process_group is given that device, so NCCL makes its
+    communicators at once and new_group can split them."""
+    chosen, joined = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    args = training.get_parser("").parse_args(["--device", "cuda", "--out_dir", "unused"])
+    for visible, index in [(8, 3), (1, 0)]:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        assert training.get_device(args, local_rank=3) == torch.device("cuda", index) == chosen[-1]
+    real_init = dist.init_process_group
+
+    def init_process_group(backend, **options):  # records the call, then joins a gloo group of one instead
+        joined.append((backend, options.pop("device_id")))
+        real_init("gloo", **options)
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.delenv("RANK", raising=False)
+    try:
+        assert training.init_distributed(args, torch.device("cuda", 0))[2]
+    finally:
+        dist.destroy_process_group()
+    assert joined == [("nccl", torch.device("cuda", 0))]
+
+
 def _advertised_commands():
     """Every command line of the README, of docs/*.md and of the scripts' docstrings that launches a training
     script."""
@@ -1974,22 +2001,26 @@ def _tensor_parallel_model(config, seed, sequence_parallel=False, loss_parallel=
     return model
 
 
-def _gradient_errors(sequence_parallel, loss_parallel):
-    """Max error of each local gradient after one forward/backward against the same slice of one device's."""
-    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+def _gradient_errors(sequence_parallel, loss_parallel, dropout):
+    """Max error of each local gradient after one forward/backward against the same slice of one device's, both
+    starting from the same default generators (each tensor-parallel rank drops out its part of one device's masks)."""
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32, dropout=dropout)
     generator = torch.Generator().manual_seed(0)
     idx, targets = torch.randint(0, 256, (2, 2, 32), generator=generator)
     reference = gpt.GPT(config)
     reference.init_weights(seed=5)
-    reference(idx, targets).backward()
+    torch.manual_seed(1234)
+    expected_loss = reference(idx, targets)
+    expected_loss.backward()
     full = dict(reference.named_parameters())
     model = _tensor_parallel_model(config, 5, sequence_parallel, loss_parallel)
+    torch.manual_seed(1234)
     loss = model(idx, targets)
     loss.backward()
     parts = checkpoint.parameter_parts(model)
     if sequence_parallel:
         train_tp.allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD)
-    errors = {"loss": abs(loss.item() - reference(idx, targets).item()) / loss.item()}
+    errors = {"loss": abs(loss.item() - expected_loss.item()) / loss.item()}
     for name, param, part in ((part.name, part.tensor, part) for part in parts):
         expected = full[name].grad[tuple(slice(*box) for box in part.box)]
         # attn.key.bias: zero gradient in exact arithmetic (see WEIGHT_TOLERANCE): measured at the query bias scale
@@ -1998,11 +2029,13 @@ def _gradient_errors(sequence_parallel, loss_parallel):
     return errors
 
 
-@pytest.mark.parametrize("tp, sequence_parallel, loss_parallel", [(2, False, True), (2, True, False), (4, True, True)])
-def test_tp_gradients_are_the_slices_of_single(tp, sequence_parallel, loss_parallel):
+@pytest.mark.parametrize("tp, sequence_parallel, loss_parallel, dropout", [
+    (2, False, True, 0.0), (2, True, False, 0.0), (4, True, True, 0.0), (2, False, True, 0.5), (4, True, True, 0.5)])
+def test_tp_gradients_are_the_slices_of_single(tp, sequence_parallel, loss_parallel, dropout):
     """Before any optimizer step (AdamW amplifies rounding in near-zero gradients): each rank's gradients are the
-    slices of one device's, within float32 reduction-order noise (measured ~1e-6)."""
-    for errors in run_distributed(tp, _gradient_errors, sequence_parallel, loss_parallel):
+    slices of one device's, within float32 reduction-order noise (measured ~1e-6); with dropout too, every rank
+    dropping out its part (its heads, or its sequence shard) of the masks one device draws."""
+    for errors in run_distributed(tp, _gradient_errors, sequence_parallel, loss_parallel, dropout):
         worst = max(errors, key=errors.get)
         assert errors[worst] < 1e-5, f"{worst}: {errors[worst]:.2e}"
 
@@ -2154,48 +2187,62 @@ def _dropout_masks_of_main(main, argv):
 
 
 @pytest.mark.parametrize("world_size, overrides", [(2, {}), (4, dict(tp=2, dp=2))])
-def test_tp_dropout_differs_inside_the_region_and_agrees_outside(corpus, shared_tmp, world_size, overrides):
-    """The masks a real main() run draws in one micro-step (dropout 0.5, no accumulation): attention dropout on a
-    rank's own heads ([batch, heads / tp, seq, seq]) differs on every rank, so no two heads share a mask; dropout on
-    the residual stream ([batch, seq, features]) agrees across tensor-parallel peers, which hold the same rows
-    of it, and differs across data-parallel ranks (train_2d.py), which hold other rows."""
+def test_tp_dropout_draws_the_masks_one_device_draws(corpus, shared_tmp, world_size, overrides):
+    """The masks a real main() run draws in one micro-step (dropout 0.5, no accumulation): every rank draws whole
+    masks, attention's over all heads ([batch, heads, seq, seq]) as well as the residual stream's, the same on every
+    tensor-parallel peer (each keeps its own part: test_tp_keeps_its_part_of_one_devices_dropout) and other
+    ones on each data-parallel rank (train_2d.py), which holds other rows. With no data parallelism they are
+    exactly the masks train_single.py draws, in the same order."""
     main, tp = (train_2d.main, overrides["tp"]) if overrides else (train_tp.main, world_size)
     argv = flags(corpus, shared_tmp, dropout=0.5, max_steps=1, global_batch=2 * world_size // tp, eval_interval=0,
                  **overrides)
     ranks = run_distributed(world_size, _dropout_masks_of_main, main, argv)
-    inside = [i for i, mask in enumerate(ranks[0]) if mask.ndim == 4]
-    outside = [i for i, mask in enumerate(ranks[0]) if mask.ndim == 3]
-    assert len(inside) == 4 and len(outside) == 1 + 2 * 4  # embedding, then per block: attention, 2 residual
-    for i in inside:
-        assert ranks[0][i].shape == (2, 4 // tp, 32, 32)
-        for a in range(world_size):
-            for b in range(a):
-                assert not np.array_equal(ranks[a][i], ranks[b][i]), f"ranks {a} and {b}: the same attention mask"
-    for i in outside:
-        for rank in range(world_size):
-            peer = rank // tp * tp  # its tensor-parallel group's first rank
-            assert np.array_equal(ranks[rank][i], ranks[peer][i]), f"ranks {rank} and {peer}: other residual masks"
-        assert not any(np.array_equal(ranks[0][i], ranks[rank][i]) for rank in range(tp, world_size, tp))
-    assert not np.array_equal(ranks[0][inside[0]], ranks[0][inside[1]])  # and layers do not repeat each other
+    attention = [mask for mask in ranks[0] if mask.ndim == 4]
+    assert len(attention) == 4 and len(ranks[0]) == 1 + 3 * 4  # embedding, then per block: attention, 2 residual
+    assert all(mask.shape == (2, 4, 32, 32) for mask in attention)
+    for rank in range(world_size):
+        peer = rank // tp * tp  # its tensor-parallel group's first rank
+        assert all(np.array_equal(a, b) for a, b in zip(ranks[rank], ranks[peer], strict=True)), (rank, peer)
+    for rank in range(tp, world_size, tp):
+        assert not any(np.array_equal(a, b) for a, b in zip(ranks[0], ranks[rank])), f"ranks 0 and {rank}"
+    if not overrides:
+        with one_thread():
+            single = _dropout_masks_of_main(train_single.main, flags(corpus, os.path.join(shared_tmp, "single"),
+                                                                     dropout=0.5, max_steps=1, global_batch=2,
+                                                                     eval_interval=0))
+        assert all(np.array_equal(a, b) for a, b in zip(ranks[0], single, strict=True))
 
 
-def _sequence_parallel_masks():
-    config = gpt.make_config("tiny", vocab_size=256, block_size=16, dropout=0.5)
-    torch.manual_seed(1234)  # as train_tp.main: the default generator is the same on every tp rank
-    model = _tensor_parallel_model(config, 0, sequence_parallel=True)
-    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    with RecordOutputs() as mode:
-        model(idx, idx).backward()
-    return [mask.numpy().copy() for op, mask in mode.outputs if "bernoulli" in op.__name__ and mask.ndim == 3]
+def _sliced_dropout(shape):
+    """This rank's SlicedDropout of its part (along dim 1) of x, and its part of one device's F.dropout of the whole
+    x, both drawn from the same generators; whether each left them alike; whether evaluation left them untouched.
+    The 3-D part is stored sequence-first, as sequence parallelism stores it."""
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(0)) + 0.5  # no zeros
+    rank, world = dist.get_rank(), dist.get_world_size()
+    part = x.chunk(world, 1)[rank]
+    part = part.transpose(0, 1).contiguous().transpose(0, 1) if x.dim() == 3 else part.contiguous()
+    dropout = train_tp.SlicedDropout(0.5, dist.group.WORLD, dim=1)
+    torch.manual_seed(1234)
+    whole = F.dropout(x, 0.5).chunk(world, 1)[rank]
+    after_whole = torch.get_rng_state()
+    torch.manual_seed(1234)
+    out = dropout(part)
+    drew_alike = torch.equal(torch.get_rng_state(), after_whole)
+    dropout.eval()
+    assert torch.equal(dropout(part), part)
+    return out.numpy(), whole.numpy(), out.stride() == part.stride(), drew_alike, torch.equal(torch.get_rng_state(),
+                                                                                            after_whole)
 
 
-def test_sequence_parallel_dropout_masks_do_not_repeat_across_shards():
-    """Under sequence parallelism each rank drops out its own sequence shard of the residual stream: the gathered
-    full-sequence mask must not repeat with period T / tp (it would if every rank drew from the same generator)."""
-    ranks = run_distributed(2, _sequence_parallel_masks)
-    assert len(ranks[0]) == 1 + 2 * 4  # embedding, then per block: attention output, MLP output
-    for first, second in zip(*ranks):
-        assert first.shape == (2, 8, 128) and not np.array_equal(first, second)
+@pytest.mark.parametrize("shape", [(2, 4, 16, 16), (2, 16, 8)], ids=["attention heads", "sequence shard"])
+def test_tp_keeps_its_part_of_one_devices_dropout(shape):
+    """train_tp.SlicedDropout on a rank's heads of the attention probabilities, or on its sequence shard of the
+    residual stream: the rank's part of what F.dropout of the whole tensor gives on one device from the same
+    generators, which it leaves as one device does; in the part's own memory layout; nothing drawn in eval mode."""
+    for out, expected, same_layout, drew_alike, eval_drew_nothing in run_distributed(2, _sliced_dropout, shape):
+        assert np.array_equal(out == 0, expected == 0)
+        np.testing.assert_allclose(out, expected, rtol=1e-6)  # x / (1 - p) against x * (1 / (1 - p)): the last bit
+        assert same_layout and drew_alike and eval_drew_nothing
 
 
 def _replicated_after_training(argv):
@@ -3004,10 +3051,11 @@ def standalone(nproc, script, argv, *options):
 
 FAULT_WRAPPER = '''
 import os, runpy, signal, sys, time
-sys.path.insert(0, {repo!r})
+rank = int(os.environ["RANK"])
+repo = {stale_folder!r} if rank == {rank} and {stale_folder!r} else {repo!r}
+sys.path.insert(0, repo)
 import training
 
-rank = int(os.environ["RANK"])
 real_get_lr = training.get_lr
 
 
@@ -3020,10 +3068,9 @@ def get_lr(step, args):
 
 
 training.get_lr = get_lr
-script = {script!r}
+script = os.path.join(repo, {script!r})
 if rank == {rank}:
     sys.argv += {extra_argv!r}
-    script = {stale_script!r} or script
 sys.argv[0] = script
 runpy.run_path(script, run_name="__main__")
 '''
@@ -3033,14 +3080,14 @@ FAULTS = {"kill": "os.kill(os.getpid(), signal.SIGKILL)", "hang": "time.sleep(36
 
 
 def fault_wrapper(tmp_path, script="train_ddp.py", rank=1, step=KILL_STEP, fault="none", extra_argv=(),
-                  stale_script=""):
+                  stale_folder=""):
     """A script that runs `script` on every rank and, on `rank`, injects `fault` at the start of `step` (once
-    per marker file), adds `extra_argv` to its flags, or runs `stale_script` instead."""
+    per marker file), adds `extra_argv` to its flags, or runs the project from `stale_folder` instead."""
     path = tmp_path / f"fault_{fault}.py"
     marker = str(tmp_path / f"fault_{fault}.marker")
     path.write_text(FAULT_WRAPPER.format(repo=HERE, rank=rank, step=step, marker=marker, fault=FAULTS[fault],
-                                         extra_argv=list(extra_argv), script=os.path.join(HERE, script),
-                                         stale_script=stale_script))
+                                         extra_argv=list(extra_argv), script=script,
+                                         stale_folder=stale_folder))
     return str(path), marker
 
 
@@ -3207,20 +3254,29 @@ def test_stuck_rank_makes_the_others_time_out(corpus, tmp_path):
 @launches_its_own_ranks
 @pytest.mark.parametrize("disagreement", ["arguments", "code"])
 def test_ranks_that_disagree_stop_at_start(corpus, tmp_path, disagreement):
-    """Other flags or a stale copy of the script on one rank: every rank stops before training, naming it."""
+    """Other flags on one rank of train_ddp.py, or on one rank of train_2d.py a stale copy of train_tp.py, a module
+    it imports (rank 1 runs the project from a folder where that file alone differs): every rank stops before
+    training, naming what differs."""
     argv = flags(corpus, tmp_path / "out", timeout=COLLECTIVE_TIMEOUT_S)
     if disagreement == "arguments":
         wrapper, _ = fault_wrapper(tmp_path, extra_argv=["--lr", "0.002"])
     else:
-        stale = tmp_path / "train_ddp.py"
-        stale.write_text(open(os.path.join(HERE, "train_ddp.py")).read() + "# one line more than on rank 0\n")
-        wrapper, _ = fault_wrapper(tmp_path, stale_script=str(stale))
+        stale = tmp_path / "stale"
+        stale.mkdir()
+        for name in os.listdir(HERE):
+            if name.endswith(".py"):
+                shutil.copy(os.path.join(HERE, name), stale)
+        with open(stale / "train_tp.py", "a") as f:
+            f.write("# one line more than on rank 0\n")
+        wrapper, _ = fault_wrapper(tmp_path, script="train_2d.py", stale_folder=str(stale))
+        argv += ["--tp", "2", "--dp", "1"]
     with launcher(tmp_path) as start:
         began = time.time()
         code, output, ended = start(*standalone(2, wrapper, argv)).wait()
     print(f"\n{disagreement} differ on rank 1: torchrun exited {code} {ended - began:.1f}s after launch")
     assert code != 0
     assert f"ranks [1] run other {disagreement}" in output, output[-5000:]
+    assert disagreement == "arguments" or "(rank 0 vs rank 1: train_tp.py)" in output, output[-5000:]
     assert "step     0" not in output
     assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")
 
@@ -3517,11 +3573,15 @@ READER_TOKEN_SKIP = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DE
 
 
 def _top_level_definitions(module):
-    """{name: (first line, last line, node)} of a project module's top-level definitions, and its module-level imports
-    of project modules {alias: (module, name or None)}."""
+    """{name: (first line, last line, node)} of a project module's top-level definitions, and its imports of project
+    modules {alias: (module, name or None)}: at module level, and those main() runs first (a script's main() imports
+    the shared files, so that the strategy above it needs torch and gpt.py alone)."""
     source = open(os.path.join(HERE, f"{module}.py")).read()
     definitions, imports = {}, {}
-    for node in ast.parse(source).body:
+    body = ast.parse(source).body
+    main = [node.body for node in body if isinstance(node, ast.FunctionDef) and node.name == "main"]
+    body += [node for node in (main[0] if main else []) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    for node in body:
         if isinstance(node, ast.Import):
             imports.update({a.asname or a.name: (a.name, None) for a in node.names if _is_project(a.name)})
         elif isinstance(node, ast.ImportFrom) and _is_project(node.module):
@@ -3577,7 +3637,7 @@ def reader_reach(script):
 
 
 def imported_at_module_level(module, found=None):
-    """The project modules `module` imports at module level, transitively (itself included)."""
+    """The project modules `module` imports at module level or in main()'s body, transitively (itself included)."""
     found = set() if found is None else found
     if module not in found:
         found.add(module)
@@ -3604,11 +3664,38 @@ def test_what_a_reader_must_read_is_small():
         else:
             assert outside <= (808 if script in ("train_tp", "train_2d") else 800), reach
         assert dragged_lines <= 1350, dragged
-    for script in ["train_ddp", "train_fsdp", "train_tp"]:
+    for script in ["train_ddp", "train_fsdp", "train_tp", "train_2d", "train_pp"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
         named = {n.id for node in core for n in ast.walk(node) if isinstance(n, ast.Name)}
-        assert named & set(imports) <= {"gpt"}, (script, named & set(imports))
+        assert named & set(imports) <= {"gpt", "train_ddp", "train_fsdp", "train_tp"}, (script, named & set(imports))
+
+
+CORES = {"train_single.py": [], "train_ddp.py": [], "train_fsdp.py": [], "train_tp.py": [],  # script -> it composes
+         "train_2d.py": ["train_tp.py", "train_fsdp.py"], "train_pp.py": ["train_ddp.py"]}
+
+
+def test_a_strategy_core_needs_torch_and_gpt_alone(tmp_path):
+    """Each script, beside gpt.py and the scripts it composes and nothing else, imports in a fresh Python (one for all
+    of them: each folder's modules are dropped before the next): everything above main(), the strategy a reader
+    lifts into their own project, needs torch and gpt.py alone."""
+    for script, composed in CORES.items():
+        folder = tmp_path / script.removesuffix(".py")
+        folder.mkdir()
+        for name in [script, "gpt.py", *composed]:
+            shutil.copy(os.path.join(HERE, name), folder)
+    code = ("import importlib, os, sys\n"
+            f"for script in {list(CORES)!r}:\n"
+            "    folder = os.path.abspath(script.removesuffix('.py'))\n"
+            "    sys.path.insert(0, folder)\n"
+            "    importlib.import_module(script.removesuffix('.py'))\n"
+            "    for name, module in list(sys.modules.items()):\n"
+            "        if os.path.dirname(getattr(module, '__file__', None) or '') == folder:\n"
+            "            del sys.modules[name]\n"
+            "    sys.path.remove(folder)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=""),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 

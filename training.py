@@ -257,40 +257,32 @@ def init_distributed(args, device):
 
 
 def project_code():
-    """{file name: SHA-256} of every module this process has loaded from the project's folder: the script, the
-    scripts it composes, the shared files, whatever else it imported from there."""
+    """{file: SHA-256} of every module this process has loaded from the project's folder (the script, the scripts it
+    composes, the shared files, whatever else it imported from there), and torch's version."""
     folder = os.path.dirname(os.path.abspath(__file__))
-    paths = {os.path.abspath(module.__file__) for module in list(sys.modules.values())
-             if getattr(module, "__file__", None) and module.__file__.endswith(".py")}
-    code = {}
-    for path in sorted(p for p in paths if os.path.dirname(p) == folder and os.path.isfile(p)):  # not torch's names
+    paths = {os.path.abspath(getattr(module, "__file__", None) or "") for module in list(sys.modules.values())}
+    code = {"torch": torch.__version__}
+    for path in sorted(p for p in paths if os.path.dirname(p) == folder and p.endswith(".py") and os.path.isfile(p)):
         with open(path, "rb") as f:
             code[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
     return code
 
 
 def check_same_on_every_rank(args, world_size):
-    """Every rank must run the same code (every project module it has loaded, and torch) with the same flags: a
-    stale copy or other flags would desynchronise the collectives and hang much later. Refused on every rank alike."""
+    """Every rank must run the same code (project_code) with the same flags: a stale copy or other flags would
+    desynchronise the collectives and hang much later. Refused on every rank alike."""
     flags = {key: str(value) for key, value in vars(args).items() if key != "log_all_ranks"}
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, (project_code(), torch.__version__, flags))
-    (code, version, ours), fix = everyone[0], "launch every rank with the same files and flags"
-    differ = [rank for rank, (other, _, _) in enumerate(everyone) if other != code]
-    if differ:
-        theirs = everyone[differ[0]][0]
-        files = sorted(name for name in code.keys() | theirs.keys() if code.get(name) != theirs.get(name))
-        raise UsageError(f"ranks {differ} run other code than rank 0 (files that differ on rank {differ[0]}: "
-                         f"{', '.join(files)}); {fix}")
-    differ = [rank for rank, (_, other, _) in enumerate(everyone) if other != version]
-    if differ:
-        raise UsageError(f"ranks {differ} run another torch than rank 0 ({everyone[differ[0]][1]} vs {version}); {fix}")
-    differ = [rank for rank, (_, _, other) in enumerate(everyone) if other != ours]
-    if differ:  # the same code, so the same flags: only their values differ
-        theirs = everyone[differ[0]][2]
-        changed = ", ".join(f"--{key} {ours[key]} vs {theirs[key]}" for key in sorted(ours) if ours[key] != theirs[key])
-        raise UsageError(f"ranks {differ} run other arguments than rank 0 (rank 0 vs rank {differ[0]}: {changed}); "
-                         f"{fix}")
+    dist.all_gather_object(everyone, (project_code(), flags))
+    for what, index in ("code", 0), ("arguments", 1):
+        ours = everyone[0][index]
+        differ = [rank for rank, other in enumerate(everyone) if other[index] != ours]
+        if differ:  # code first: the same code, so the same flags, whose values alone may differ
+            theirs = everyone[differ[0]][index]
+            changed = [f"--{key} {ours[key]} vs {theirs[key]}" if what == "arguments" else key
+                       for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key)]
+            raise UsageError(f"ranks {differ} run other {what} than rank 0 (rank 0 vs rank {differ[0]}: "
+                             f"{', '.join(changed)}); launch every rank with the same files and flags")
 
 
 class StopRequest:
