@@ -13,7 +13,9 @@ import ast
 import contextlib
 import copy
 import errno
+import functools
 import gzip
+import hashlib
 import importlib.util
 import io
 import json
@@ -1790,6 +1792,12 @@ def _local_parameters_by_name():
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))  # the same rows on every rank
     fsdp(x, x).backward()
     local = dict(model.named_parameters())
+    # One view: the wrapper's parameters and state are the wrapped module's pieces, under the same names
+    everything, state = dict(fsdp.named_parameters(remove_duplicate=False)), fsdp.state_dict()
+    assert dict(fsdp.named_parameters()) == {f"module.{name}": param for name, param in local.items()}
+    assert state.keys() == everything.keys()
+    assert all(state[name].data_ptr() == param.data_ptr() and state[name].shape == param.shape
+               for name, param in everything.items())
     parts = map(checkpoint.Part._make, fsdp.parts())
     ranges = {part.name: part.flat for part in parts}  # which elements of the full tensor this rank holds
     return {name: (ranges.get(name, (0, 0)), param.detach().numpy().copy(), param.grad.numpy().copy())
@@ -1798,7 +1806,8 @@ def _local_parameters_by_name():
 
 def test_fsdp_parameters_stay_reachable_by_name():
     """After backward, each name of the wrapped model gives this rank's piece of that parameter and of its gradient
-    (1-D views into the shard, some empty); together the ranks' pieces are train_single's weights and gradients."""
+    (1-D views into the shard, some empty); together the ranks' pieces are train_single's weights and gradients.
+    The wrapper shows that one view: its named_parameters() and state_dict() are those pieces, by the same names."""
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     reference = gpt.GPT(config)
     reference.init_weights(seed=5)
@@ -4353,11 +4362,11 @@ DROPOUT_LAYOUTS = {  # every layout that draws dropout masks, in every random st
     "single": (train_single.main, 1, {}),
     "ddp": (train_ddp.main, 2, {}),
     "fsdp": (train_fsdp.main, 2, {}),
-    "tp": (train_tp.main, 2, {}),  # attention from the rank's own stream, the residual stream from the default one
-    "tp-sequence-parallel": (train_tp.main, 2, dict(sequence_parallel=True)),  # the residual stream's from its own
+    "tp": (train_tp.main, 2, {}),  # attention's drawn whole on every rank, each keeping its heads' part
+    "tp-sequence-parallel": (train_tp.main, 2, dict(sequence_parallel=True)),  # and the residual stream's too
     "2d": (train_2d.main, 4, dict(tp=2, dp=2)),
     "pp": (train_pp.main, 2, dict(pp=2)),
-    # recomputed blocks restore every stream for the recompute, then must leave each where the recompute found it
+    # recomputed blocks restore the generators for the recompute, then must leave them where the recompute found them
     "single-recompute": (train_single.main, 1, dict(activation_checkpointing=True)),
     "tp-recompute": (train_tp.main, 2, dict(activation_checkpointing=True)),
     "tp-sequence-parallel-recompute": (train_tp.main, 2, dict(sequence_parallel=True, activation_checkpointing=True)),
@@ -4421,3 +4430,175 @@ def test_dropout_masks_differ_from_step_to_step_and_micro_step_to_micro_step(cor
             # recomputed: each block's masks twice, the embedding's (on a rank that holds it: an odd count) once
             expected = [1] * len(masks) if not recomputed else [1] * (len(masks) % 2) + [2] * (len(masks) // 2 * 2)
             assert twins == expected, f"rank {rank}, (step, micro-step) {divmod(index, accumulation)}: {twins}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ---- #30 the GPU path without waste: one read of the device a step, --compile with dropout compiles once
+
+EVERY_SCRIPT = {  # script, ranks, extra flags: each strategy's loop and hooks once
+    "single": (train_single.main, 1, {}),
+    "ddp": (train_ddp.main, 2, {}),
+    "fsdp": (train_fsdp.main, 2, {}),
+    "tp-sequence-parallel": (train_tp.main, 2, dict(sequence_parallel=True)),
+    "2d-sequence-parallel": (train_2d.main, 2, dict(tp=2, dp=1, sequence_parallel=True)),  # FSDP's hooks around TP's
+    "pp": (train_pp.main, 2, dict(pp=2)),
+}
+
+
+class CountHostReads(TorchDispatchMode):
+    """Every read of a tensor's value by the host while active: aten._local_scalar_dense (.item(), bool(), float(),
+    int() of a tensor) and Tensor.tolist, which on CPU reads memory without an aten call. On a GPU each waits for the
+    device to finish everything queued before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def _host_reads_by_step(main, argv):
+    """The host's reads of tensor values while main(argv) runs on this rank, counted per optimizer step (cut where
+    set_lr starts one)."""
+    mode, starts, real_get_lr, real_tolist = CountHostReads(), [], training.get_lr, torch.Tensor.tolist
+
+    def get_lr(step, args):
+        starts.append(mode.count)
+        return real_get_lr(step, args)
+
+    def tolist(tensor):
+        mode.count += 1
+        return real_tolist(tensor)
+
+    training.get_lr, torch.Tensor.tolist = get_lr, tolist
+    try:
+        with mode:
+            main(argv)
+    finally:
+        training.get_lr, torch.Tensor.tolist = real_get_lr, real_tolist
+    return [end - start for start, end in zip(starts, starts[1:] + [mode.count])]
+
+
+@pytest.mark.parametrize("layout", list(EVERY_SCRIPT))
+def test_a_step_reads_the_device_once(corpus, shared_tmp, layout):
+    """A step that neither logs, evaluates nor saves reads a value from the device once: the agreement on whether its
+    gradient norm is finite and whether a rank was asked to stop (one all-reduce of both). Any other read would make
+    the host wait for the device in the middle of every step, on CUDA where launching is slow to begin with. Steps
+    1 and 2 of 4 (step 0 and the last log, and the last saves)."""
+    main, ranks, extra = EVERY_SCRIPT[layout]
+    argv = flags(corpus, shared_tmp, max_steps=4, global_batch=8, eval_interval=0, log_interval=100, **extra)
+    for rank, reads in enumerate(run_distributed(ranks, _host_reads_by_step, main, argv)):
+        assert len(reads) == 4 and reads[1:3] == [1, 1], f"rank {rank}: reads per step {reads}"
+
+
+def _graphs_by_step(main, argv):
+    """main(argv) with --compile on Dynamo's eager backend (Dynamo traces, guards and breaks graphs as for inductor,
+    and builds no kernels) and a model of 9 blocks, one more than Dynamo recompiles a function before it gives up on
+    it and runs it eagerly: (graphs Dynamo has made, graph breaks) at the start of each step and at the end."""
+    from torch._dynamo.utils import counters
+    real_compile, real_get_lr, tiny = torch.compile, training.get_lr, gpt.PRESETS["tiny"]
+    made = []
+
+    def get_lr(step, args):
+        made.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
+        return real_get_lr(step, args)
+
+    torch.compile, training.get_lr = functools.partial(real_compile, backend="eager"), get_lr
+    gpt.PRESETS["tiny"] = dict(n_layer=9, n_head=4, n_embd=32)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        main(argv)
+    finally:
+        torch.compile, training.get_lr, gpt.PRESETS["tiny"] = real_compile, real_get_lr, tiny
+    return made + [(counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))]
+
+
+@pytest.mark.parametrize("layout", list(EVERY_SCRIPT))
+def test_compile_with_dropout_compiles_once(corpus, shared_tmp, layout):
+    """--compile --dropout 0.1 in every script (tensor parallelism with sequence parallelism, 2-D too): Dynamo traces
+    each block's forward into one graph for training and one for evaluation, shared by all 9 blocks, before the
+    first step ends, and never again: no graph break inside a block, no recompile. A random draw read into Python
+    inside a block (a seed for a generator fork) would break the graph there, and a guard on its value would
+    recompile every forward."""
+    main, ranks, extra = EVERY_SCRIPT[layout]
+    dp = 2 if main in (train_ddp.main, train_fsdp.main) else 1
+    argv = flags(corpus, shared_tmp, compile=True, dropout=DROPOUT, max_steps=3, global_batch=2 * dp, **extra)
+    for rank, made in enumerate(run_distributed(ranks, _graphs_by_step, main, argv)):
+        assert made[1] == made[-1] == (2, 0), f"rank {rank}: (graphs, graph breaks) at each step's start {made}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ---- #30 dropout that nothing else moves: evaluation, and resume under another layout
+
+
+@pytest.mark.parametrize("layout", ["tp-sequence-parallel", "2d-sequence-parallel"])
+def test_evaluation_never_changes_a_training_step(corpus, tmp_path_factory, shared_tmp, layout):
+    """Dropout 0.1 under tensor parallelism: a run that evaluates at every step, killed at step 3 (its last step
+    evaluated, then checkpointed) and resumed, trains bit-identically to the same layout evaluating at steps 0 and 5
+    only and never stopped: evaluation draws nothing from the generators training draws its masks from."""
+    main, ranks, extra = WITH_DROPOUT[layout]
+    argv = flags(corpus, shared_tmp, dropout=DROPOUT, eval_interval=1, ckpt_interval=3, **extra)
+    assert run_distributed(ranks, _train_until, main, 3, argv) == ["crashed"] * ranks
+    run_distributed(ranks, main, argv + ["--resume"])
+    run, reference = read_run(str(shared_tmp)), uninterrupted(corpus, tmp_path_factory, layout)
+    assert len(run.val_losses) == 6 and run.val_losses.keys() != reference.val_losses.keys()
+    assert_identical(run._replace(val_losses=reference.val_losses), reference)
+
+
+def _replicated_by_step(main, argv):
+    """main(argv) on this rank: a digest of every block's output in each training forward (the residual stream,
+    which tensor-parallel peers hold alike without sequence parallelism), and at the end the tensors the layout
+    replicates on them, whole or as this rank's FSDP piece ({name: array})."""
+    outputs, models, real_wrap_blocks = [], [], training.wrap_blocks
+
+    def digest(module, args, output):
+        if module.training:
+            outputs.append(hashlib.sha256(output.detach().numpy().tobytes()).hexdigest())
+
+    def wrap_blocks(model, *args):  # every script calls it once, on the model its loop runs
+        models.append(model)
+        for module in model.modules():
+            if isinstance(module, gpt.Block):
+                module.register_forward_hook(digest)
+        return real_wrap_blocks(model, *args)
+
+    training.wrap_blocks = wrap_blocks
+    try:
+        main(argv)
+    finally:
+        training.wrap_blocks = real_wrap_blocks
+    replicated = {name: param.detach().numpy().copy() for name, param in models[0].named_parameters()
+                  if not train_tp.is_sliced(name)}
+    return outputs, replicated
+
+
+RESUMED_ELSEWHERE = {  # saved by (script, ranks, flags), resumed by (script, ranks, flags, tp)
+    "ddp-to-tp": ((train_ddp.main, 2, {}), (train_tp.main, 2, {}, 2)),
+    "fsdp-to-2d": ((train_fsdp.main, 2, {}), (train_2d.main, 4, dict(tp=2, dp=2), 2)),
+    "tp-2-to-tp-4": ((train_tp.main, 2, {}), (train_tp.main, 4, {}, 4)),
+}
+
+
+@pytest.mark.parametrize("change", list(RESUMED_ELSEWHERE))
+def test_resume_under_another_layout_keeps_tensor_parallel_peers_alike(corpus, shared_tmp, change):
+    """Dropout 0.1, a checkpoint of step 2 resumed under a layout with other tensor-parallel groups: the ranks of a
+    TP group hold the same generators again (the saving layout's ranks held their own, or other groups), so for
+    the 3 steps left their residual streams (every block's output, in every micro-step) and replicated weights
+    (layer norms, wpe, row-parallel biases, whole or as FSDP pieces) stay bit-identical; data-parallel ranks draw
+    apart. Restoring each rank's saved generators instead makes the peers' streams part at the first dropout."""
+    (saver, saving_ranks, saving), (loader, ranks, extra, tp) = RESUMED_ELSEWHERE[change]
+    run = dict(dropout=DROPOUT, global_batch=8, max_steps=5, ckpt_interval=2, eval_interval=0)
+    saved = run_distributed(saving_ranks, _train_until, saver, 2, flags(corpus, shared_tmp, **run, **saving))
+    assert saved == ["crashed"] * saving_ranks
+    argv = flags(corpus, shared_tmp, resume=True, **run, **extra)
+    ranks_seen = run_distributed(ranks, _replicated_by_step, loader, argv)
+    micro_steps = 8 // (2 * (ranks // tp))  # of 2 sequences each
+    for rank, (outputs, replicated) in enumerate(ranks_seen):
+        peer_outputs, peer_replicated = ranks_seen[rank // tp * tp]  # its tensor-parallel group's first rank
+        assert len(outputs) == 3 * micro_steps * 4 and outputs == peer_outputs, f"rank {rank}: other streams"
+        assert all(np.array_equal(value, peer_replicated[name]) for name, value in replicated.items()), rank
+    if ranks > tp:
+        assert not set(ranks_seen[0][0]) & set(ranks_seen[tp][0])  # data-parallel ranks: other rows, other masks

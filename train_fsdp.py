@@ -130,7 +130,9 @@ class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 on any nn.Module. The root and each of `units` (default: its `blocks`, listed in the order their forwards
     run: each prefetches the next) are gathered one at a time to compute in `compute_dtype`; shards, AdamW and gradient
     reduction stay float32. initial_value(name, shape, box, flat), as training.initial_values, gives elements [flat[0],
-    flat[1]) of full[box] (needed on meta). tp_boxes {name: (full shape, box)}: train_2d.py's tensor-parallel slices."""
+    flat[1]) of full[box] (needed on meta). tp_boxes {name: (full shape, box)}: train_2d.py's tensor-parallel slices.
+    Its parameters (named_parameters, state_dict) are this rank's pieces of the module's, by their names: views into
+    the shards, which parameter_groups() gives an optimizer to step whole (the pieces can be stepped instead)."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=None, tp_boxes=None):
@@ -153,7 +155,11 @@ class FullyShardedDataParallel(nn.Module):
         self.in_flight = None  # the latest reduce-scatter, finished when the next one starts
 
     def forward(self, *args, **kwargs):
-        self.module.zero_grad()  # the pieces' gradients view the last step's: left set, they would keep it alive
+        for flat in self.flats:  # an optimizer dropped one view of a gradient, the shard's or its pieces': drop both
+            if flat.shard.grad is None or any(local.grad is None for local in flat.locals):
+                flat.shard.grad = None
+                for local in flat.locals:
+                    local.grad = None
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.module(*args, **kwargs)
 
