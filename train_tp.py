@@ -75,9 +75,8 @@ gather_from_tensor_parallel_region = partial(Conjugate.apply, _all_gather, _spli
 
 
 def compute_dtype(x):
-    """The dtype the next matmul reads x in: autocast's while it is on (a layer norm's output is float32 there, but
-    its consumers cast it to bfloat16 anyway), else x's own. f and g send it in that dtype, and so do their
-    conjugates the gradient (autograd casts it back where x came from)."""
+    """What the next matmul reads x in: autocast's while it is on (a layer norm outputs float32, which the matmul
+    casts anyway), else x's dtype. f and g send x in it, their conjugates its gradient (autograd casts it back)."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
@@ -193,12 +192,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 class SlicedDropout(nn.Dropout):
-    """Dropout on this rank's slice (along `dim`) of a tensor the group holds in slices: a rank's own heads, or its
-    sequence shard. Every rank draws the mask of the whole tensor, exactly as one device draws it, and keeps its own
-    slice of it. Tensor-parallel peers hold the same default generators, so their slices are parts of one mask and
-    never repeat each other; the generators are never forked, so evaluation draws nothing, a resumed or recomputed
-    block replays its masks, and a compiled block holds plain random ops. The cost: t times the random numbers, and
-    the whole mask for a moment."""
+    """Dropout on this rank's slice (along `dim`) of a tensor split over the group: its heads, or its sequence shard.
+    Each rank draws the whole tensor's mask from the default generators (TP peers hold them alike) as one device
+    would, and keeps its slice: no generator is forked, so evaluation draws nothing, resume and recompute replay the
+    masks, and a compiled block holds plain random ops. The cost: t times the draws, and the whole mask briefly."""
 
     def __init__(self, p, group, dim):
         super().__init__(p)
@@ -284,8 +281,8 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
 
 def allreduce_replicated_grads(named_parameters, group):
     """Under sequence parallelism a replicated parameter (layer norms, wpe, row-parallel biases) saw only this rank's
-    sequence shard: sum their gradients in one flat all-reduce. named_parameters: (name, parameter) pairs. In
-    train_2d.py each is this rank's FSDP piece of it: TP peers shard alike, so their pieces hold the same elements."""
+    sequence shard: sum their gradients in one flat all-reduce. In train_2d.py named_parameters are this rank's FSDP
+    pieces: TP peers shard alike, so their pieces hold the same elements."""
     grads = [param.grad.view(-1) for name, param in named_parameters if not is_sliced(name)]
     if grads:
         flat = torch.cat(grads)
