@@ -3583,13 +3583,14 @@ READER_TOKEN_SKIP = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DE
 
 def _top_level_definitions(module):
     """{name: (first line, last line, node)} of a project module's top-level definitions, and its imports of project
-    modules {alias: (module, name or None)}: at module level, and those main() runs first (a script's main() imports
-    the shared files, so that the strategy above it needs torch and gpt.py alone)."""
+    modules {alias: (module, name or None)}: at module level, and for a training script those its main() runs first
+    (main() imports the shared files, so that the strategy above it needs torch and gpt.py alone)."""
     source = open(os.path.join(HERE, f"{module}.py")).read()
     definitions, imports = {}, {}
     body = ast.parse(source).body
     main = [node.body for node in body if isinstance(node, ast.FunctionDef) and node.name == "main"]
-    body += [node for node in (main[0] if main else []) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    if main and module.startswith("train_"):
+        body += [node for node in main[0] if isinstance(node, (ast.Import, ast.ImportFrom))]
     for node in body:
         if isinstance(node, ast.Import):
             imports.update({a.asname or a.name: (a.name, None) for a in node.names if _is_project(a.name)})
@@ -3646,7 +3647,8 @@ def reader_reach(script):
 
 
 def imported_at_module_level(module, found=None):
-    """The project modules `module` imports at module level or in main()'s body, transitively (itself included)."""
+    """The project modules `module` imports at module level (a training script: or in main()'s body), transitively
+    (itself included)."""
     found = set() if found is None else found
     if module not in found:
         found.add(module)
@@ -3668,11 +3670,14 @@ def test_what_a_reader_must_read_is_small():
               f"tokens; {outside} lines outside train_*.py; copying drags {dragged_lines} lines ({dragged})")
         # Issue #22's targets: 8,200 tokens, 800 lines, 1,350 lines. train_tp.py and train_2d.py also reach
         # training.check_tensor_parallel (8 lines), which the planner shares from below the scripts: 807 and 803.
+        # Issue #30 added ~30 lines every script reaches (measured: 8,219 tokens; 827, 813, 834, 830 lines; 1,380):
+        # gpt.py's explicit attention under dropout, the fingerprint of every loaded module and the step's one
+        # agreement (training.py), generators rebuilt under another layout (checkpoint.py).
         if script == "train_single":
-            assert sum(tokens for _, tokens in reach.values()) <= 8200, reach
+            assert sum(tokens for _, tokens in reach.values()) <= 8250, reach
         else:
-            assert outside <= (808 if script in ("train_tp", "train_2d") else 800), reach
-        assert dragged_lines <= 1350, dragged
+            assert outside <= (838 if script in ("train_tp", "train_2d") else 830), reach
+        assert dragged_lines <= 1385, dragged
     for script in ["train_ddp", "train_fsdp", "train_tp", "train_2d", "train_pp"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]

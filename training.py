@@ -66,7 +66,8 @@ def get_parser(description, strategy="single"):
     add("--compile", action="store_true", help="torch.compile each transformer block")
     add("--activation_checkpointing", action="store_true", help="recompute blocks in backward: less memory")
     add("--tf32", action="store_true", help="TF32 matmuls on CUDA (faster; float32 differs ~1e-3)")
-    add("--attn", default="sdpa", choices=["sdpa", "flash"], help="torch's scaled_dot_product_attention or flash-attn")
+    add("--attn", default="sdpa", choices=["sdpa", "flash"],
+        help="torch's scaled_dot_product_attention or flash-attn (training with --dropout: gpt.py's explicit one)")
     add("--timeout", type=positive, default=600, help="seconds a collective may wait before failing")
     group = p.add_argument_group("evaluation and sample")
     add = group.add_argument
