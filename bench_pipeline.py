@@ -10,8 +10,8 @@ ours and --impl torch, each run a fresh torchrun through bench.py's launcher. In
 times every send and receive (the time a stage waits is the bubble, plus the transfers) and counts what autograd
 saves for backward. Each figure is printed beside its formula: the bubble beside (p - 1) / (m + p - 1), the
 activations beside the planner's (plan.stage_plan), the bytes sent beside m activations (or gradients) of
-micro_batch x block_size x n_embd elements of the compute dtype. A file of its own, run as its own process by bench.py --pipeline: it
-uses bench.py's launcher and flags, so bench.py cannot import it.
+micro_batch x block_size x n_embd elements of the compute dtype. A file of its own, run as its own process by
+bench.py --pipeline: it uses bench.py's launcher and flags, so bench.py cannot import it.
 """
 
 import json

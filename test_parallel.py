@@ -1439,7 +1439,8 @@ def test_bench_what_fits_prints_the_planners_table(capsys):
     assert "| gpt2 | 124M | 1024 | ddp (" in rows["gpt2"] and rows["gpt3-175b"].count("none") == 3
 
 
-COMM_LAYOUTS = {  # bench.py's name -> (script, ranks, flags, dtype, plan.comm_formula's layout); accumulation 2 if it can
+# bench.py's name -> (script, ranks, flags, dtype, plan.comm_formula's layout); accumulation 2 where it can be
+COMM_LAYOUTS = {
     "ddp": ("train_ddp.py", 2, ["--micro_batch", "2"], "float32", dict(dp=2, micro_batch=2)),
     "fsdp": ("train_fsdp.py", 2, ["--micro_batch", "2"], "float32", dict(dp=2, micro_batch=2)),
     "tp": ("train_tp.py", 2, ["--micro_batch", "4"], "float32", dict(tp=2, micro_batch=4)),
@@ -1456,10 +1457,11 @@ COMM_LAYOUTS = {  # bench.py's name -> (script, ranks, flags, dtype, plan.comm_f
 def test_bench_formula_counts_every_collective(strategy, corpus, tmp_path):
     """What one step of our strategy sends, read from the profiler by bench.py, is its formula: the same number of
     collectives, and the bytes within 1% (measured: equal to the byte, but for 6 bytes in train_2d.py's gradient
-    norm and step agreement, which bench counts in groups of 2 but run over all 4 ranks). The count catches a collective the formula
-    leaves out, however small (the logged loss's 4 bytes). In bfloat16 (TP and 2-D, with sequence parallelism) the
-    formula counts 2 bytes an element for every activation collective, forward and backward: f or g sending a layer
-    norm's or the embedding's float32 output as it is exceeds it by half (on CPU 2-D's norms output bf16 anyway)."""
+    norm and step agreement, which bench counts in groups of 2 but run over all 4 ranks). The count catches a
+    collective the formula leaves out, however small (the logged loss's 4 bytes). In bfloat16 (TP and 2-D, with
+    sequence parallelism) the formula counts 2 bytes an element for every activation collective, forward and
+    backward: f or g sending a layer norm's or the embedding's float32 output as it is exceeds it by half (on CPU
+    2-D's norms output bf16 anyway)."""
     script, ranks, extra, dtype, layout = COMM_LAYOUTS[strategy]
     args = argparse.Namespace(model="tiny", data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
                               dtype=dtype, compile=False, threads=1)
@@ -2802,7 +2804,7 @@ def uninterrupted(corpus, tmp_path_factory, layout):
 
 @pytest.mark.parametrize("layout", list(WITH_DROPOUT))
 def test_resume_with_dropout_is_bit_identical(corpus, tmp_path_factory, shared_tmp, layout):
-    """Dropout 0.1 on every rank (under TP also the stream of each rank's own heads): killed at step 3, resumed from
+    """Dropout 0.1 on every rank (under TP also on each rank's heads and sequence shard): killed at step 3, resumed from
     step 2's checkpoint, the run redoes steps 2 and 3 with the same masks and ends bit-identical to the same layout
     run without interruption."""
     main, ranks, extra = WITH_DROPOUT[layout]
@@ -2816,7 +2818,7 @@ def test_resume_with_dropout_is_bit_identical(corpus, tmp_path_factory, shared_t
 # ------------------------------------------------------------------------------------------------------------
 # --activation_checkpointing: each block keeps only its input and recomputes the rest in backward, where the
 # strategy has made the block's weights available again (FSDP gathers the unit for backward) and the random state
-# is restored (torch restores the default generators, from which train_tp.RNGFork draws its seeds). The math is
+# is restored (torch restores the default generators, from which every mask is drawn). The math is
 # unchanged: the same layouts against train_single.py within the same tolerances, and with dropout each layout
 # bit-identical to itself without checkpointing (the recompute draws the masks the forward drew).
 
@@ -4406,7 +4408,7 @@ def test_dropout_masks_differ_from_step_to_step_and_micro_step_to_micro_step(cor
     micro-step no two masks agree either, except that a recomputed block draws its masks again bit for bit: every
     mask then has exactly one twin, save the embedding's (not in a block). Two masks of 8,192 draws at p = 0.1 agree
     by chance with probability ~1e-1500, so "differ" is exact. Both kinds are there: attention masks ([batch, heads,
-    T, T]; under TP the rank's own stream) and residual ones ([batch, T, d] or a sequence shard). That resume and
+    T, T]; under TP drawn whole, all heads) and residual ones ([batch, T, d]). That resume and
     recompute reproduce the run bit for bit is test_resume_with_dropout_is_bit_identical's and
     test_activation_checkpointing_with_dropout_is_bit_identical's."""
     main, ranks, extra = DROPOUT_LAYOUTS[layout]

@@ -72,7 +72,7 @@ def main(argv=None):
     checkpoint_path = checkpoint.to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, device)
     tp_group, dp_group = new_groups(tp, dp)
-    torch.manual_seed(args.seed + dp_rank)  # dropout outside the TP region: TP peers draw the same masks
+    torch.manual_seed(args.seed + dp_rank)  # dropout: the same generators on every TP peer, its own on each DP rank
 
     # ---- model: built on meta; each rank materialises only its FSDP shards of its TP slices
     with torch.device("meta"):
