@@ -10,8 +10,8 @@ ours and --impl torch, each run a fresh torchrun through bench.py's launcher. In
 times every send and receive (the time a stage waits is the bubble, plus the transfers) and counts what autograd
 saves for backward. Each figure is printed beside its formula: the bubble beside (p - 1) / (m + p - 1), the
 activations beside the planner's (plan.stage_plan), the bytes sent beside m activations (or gradients) of
-micro_batch x block_size x n_embd float32s. A file of its own, run as its own process by bench.py --pipeline: it
-uses bench.py's launcher and flags, so bench.py cannot import it.
+micro_batch x block_size x n_embd elements of the compute dtype. A file of its own, run as its own process by
+bench.py --pipeline: it uses bench.py's launcher and flags, so bench.py cannot import it.
 """
 
 import json
@@ -98,8 +98,9 @@ def stage_row(args, config, layout, stage, timed):
     beside the planner's or the formula's; and the last step's timeline (figures.py draws it)."""
     planned = plan.stage_plan(config, layout, stage, train_pp.stage_layers, train_pp.schedule)
     # A stage of 2 sends each micro-batch's activation forward (the first) or its gradient back (the last): one
-    # float32 residual stream of micro_batch x block_size x n_embd
-    formula = layout.micro_batches * args.micro_batch * args.block_size * config.n_embd * 4
+    # residual stream of micro_batch x block_size x n_embd, in the compute dtype
+    element = 2 if args.dtype == "bfloat16" else 4
+    formula = layout.micro_batches * args.micro_batch * args.block_size * config.n_embd * element
     return dict(bubble=statistics.median(s["waited_s"] / s["step_s"] for s in timed),
                 saved_bytes=max(s["saved_bytes"] for s in timed),
                 planned_bytes=sum(size for item, size in planned if item.startswith(("activations", "bfloat16"))),

@@ -9,10 +9,11 @@ Loading assembles each full tensor from every piece and lets the loading layout 
 Saving (save): every rank writes its file into `ckpt-<step>.tmp`, the ranks agree that every write succeeded, and
 rank 0 writes meta.pt, renames the folder into place and repoints `latest`. Resuming: to_resume finds the checkpoint
 and refuses what it cannot continue, before any collective; resume loads this rank's part of every tensor, AdamW's
-moments and the random generators' state.
+moments and the random generators' state (under another layout, generators that keep that layout's rules).
 """
 
 import errno
+import hashlib
 import math
 import os
 import re
@@ -81,10 +82,10 @@ def pieces(parts, optimizer):
     return tensors
 
 
-def check_finite(step, loss, grad_norm, args):
-    """Before the optimizer step: a gradient norm that is not finite (reduced over every rank, so all agree) stops the
-    run, with weights, AdamW and checkpoints as they were after the last finite step."""
-    if torch.isfinite(grad_norm):
+def check_finite(diverged, step, loss, grad_norm, args):
+    """Before the optimizer step: a gradient norm that is not finite on any rank (diverged, from
+    training.StopRequest.agreed) stops the run, with weights, AdamW and checkpoints as after the last finite step."""
+    if not diverged:
         return
     last = latest(args.out_dir)
     resume = f"--resume continues from {last!r}" if last else "no checkpoint was saved before it"
@@ -134,17 +135,19 @@ def publish(out_dir, step, world_size, meta, keep=0):
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
-def save(args, step, tensors, config, device, rank=0, world_size=1):
+def save(args, step, tensors, config, device, rank=0, world_size=1, tp=1):
     """Every rank writes its pieces, then rank 0 publishes the checkpoint. The ranks agree after each phase: a write
-    that fails anywhere (no space, no permission) publishes nothing, removes the folder and stops every rank."""
+    that fails anywhere (no space, no permission) publishes nothing, removes the folder and stops every rank. tp: the
+    consecutive ranks that hold the same random generators (tensor-parallel peers), which meta.pt records."""
     folder = os.path.join(args.out_dir, f"ckpt-{step:07d}.tmp")
     write_everywhere(lambda: save_shard(args.out_dir, step, rank, tensors, rng_state(device)),
                      folder, tensors, rank, world_size)
 
     def publish_on_rank_0():
         if rank == 0:
-            publish(args.out_dir, step, world_size, {"config": asdict(config), "args": vars(args)},
-                    args.keep_checkpoints)
+            generators = [r // tp for r in range(world_size)]  # ranks with equal numbers hold equal generators
+            publish(args.out_dir, step, world_size, {"config": asdict(config), "args": vars(args),
+                                                     "generators": generators}, args.keep_checkpoints)
 
     write_everywhere(publish_on_rank_0, folder, {}, rank, world_size)  # nobody goes on before `latest` moved
 
@@ -303,14 +306,20 @@ def load(checkpoint, parts, optimizer, config):
         optimizer.load_state_dict(state_dict)
 
 
-def resume(path, parts, optimizer, config, rank, device):
-    """Load checkpoint `path` (None: start fresh) into this rank's parts; returns the step to continue from."""
+def resume(path, parts, optimizer, config, rank, device, tp=1):
+    """Load checkpoint `path` (None: start fresh) into this rank's parts; returns the step to continue from. Each rank
+    gets its generators back if this layout shares them out as the saving one did (tp: tensor-parallel peers, which
+    share theirs); else new ones from (seed, step, rank // tp): TP peers alike, data-parallel ranks apart."""
     if path is None:
         return 0
     checkpoint = Checkpoint(path)
     load(checkpoint, parts, optimizer, config)
-    if rank < len(checkpoint.shards) and checkpoint.shards[rank]["rng"]:  # a rank the saving run lacked starts afresh
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if checkpoint.meta.get("generators") == [r // tp for r in range(world_size)]:
         set_rng_state(checkpoint.shards[rank]["rng"], device)
+    else:
+        digest = hashlib.sha256(f"{checkpoint.meta['args']['seed']}/{checkpoint.meta['step']}/{rank // tp}".encode())
+        torch.manual_seed(int.from_bytes(digest.digest()[:8], "little") >> 1)  # every device's generators
     return checkpoint.meta["step"]
 
 

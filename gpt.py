@@ -157,7 +157,7 @@ class CausalSelfAttention(nn.Module):
         self.value = nn.Linear(config.n_embd, kv_width, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.head_dim = config.head_dim
-        self.dropout = config.dropout
+        self.attn_dropout = nn.Dropout(config.dropout)  # a module, so tensor parallelism can swap in its own
         self.resid_dropout = nn.Dropout(config.dropout)
         self.use_flash = False  # set by set_attention()
 
@@ -169,13 +169,20 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
         if rope is not None:  # Llama: positions enter as rotations of q and k, so scores depend on distance only
             q, k = rotate(q, rope), rotate(k, rope)
-        dropout = self.dropout if self.training else 0.0
-        if self.use_flash:  # flash-attn shares each key/value head among its query heads itself
-            y = flash_attn_func(q, k, v, dropout_p=dropout, causal=True)
+        if self.training and self.attn_dropout.p > 0:
+            # nanoGPT's explicit attention: attn_dropout, a module a strategy can replace, sees the [B, heads, T, T]
+            # probabilities, which backward keeps (the fused kernels below would draw their masks inside)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))  # each KV head's queries
+            causal = torch.full((T, T), -math.inf, device=x.device).triu(1)  # no position sees a later one
+            att = F.softmax(q @ k.transpose(-2, -1) * self.head_dim**-0.5 + causal, dim=-1)
+            y = (self.attn_dropout(att) @ v).transpose(1, 2)
+        elif self.use_flash:  # flash-attn shares each key/value head among its query heads itself
+            y = flash_attn_func(q, k, v, causal=True)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                               enable_gqa=k.shape[1] != q.shape[1]).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+            y = y.transpose(1, 2)
         return self.resid_dropout(self.proj(y.reshape(B, T, -1)))
 
 

@@ -168,13 +168,17 @@ def activation_plan(config, layout):
         norm = b * (s // shard) * h + 2 * b * (s // shard)
     norm *= 2 if low_precision_norms else 4
     linears = 5 if config.swiglu else 4  # the column-parallel linears: q, k, v, (gate,) fc
+    cast_before = low_precision_norms or (e == 2 and layout.strategy in ("tp", "2d"))  # norms' outputs, or TP's f
+    saved_kv = h if config.dropout else kv  # gpt.py's explicit attention keeps k and v repeated for every query head
     block = (2 * norm  # the two layer norms
-             + (4 if low_precision_norms else 8 if e == 4 else 2 * linears) * b * s * h  # the column-parallel
-             # linears' inputs, whole sequence (SP gathers it): in float32 q, k and v share one, (gate and) fc
-             # another (2 x 4 bytes), in bfloat16 each linear casts its own (2 bytes each), unless the layer norms'
-             # outputs are bfloat16 already (2 x 2 bytes)
-             + (2 * h + 2 * kv) * b * s // t * e  # q, k, v and the attention output, this rank's heads
-             + b * (config.n_head // t) * s * 4  # attention's log-sum-exp per query head and token
+             + (4 if cast_before else 8 if e == 4 else 2 * linears) * b * s * h  # the column-parallel linears'
+             # inputs, whole sequence (SP gathers it): in float32 q, k and v share one, (gate and) fc another
+             # (2 x 4 bytes), in bfloat16 each linear casts its own (2 bytes each), unless the layer norms' outputs
+             # are bfloat16 already or f cast them (2 x 2 bytes)
+             + (2 * h + 2 * saved_kv) * b * s // t * e  # q, k, v and the attention output, this rank's heads
+             + (b * (config.n_head // t) * s * s * (5 + e) if config.dropout  # gpt.py's explicit attention: the
+                # float32 probabilities, their dropout mask, and the dropped ones as the next matmul reads them
+                else b * (config.n_head // t) * s * 4)  # else attention's log-sum-exp per query head and token
              + (4 if config.swiglu else 2) * b * s * ffn // t * e  # GELU's input and output; or gate's output, its
              # SiLU, fc's output and their product
              + (2 * b * (s // shard) * h if config.dropout else 0))  # the two residual dropouts' masks
@@ -258,8 +262,8 @@ def stage_plan(config, layout, stage, layers, schedule):
         rows.append(("bfloat16 weight copies, one a micro-batch in flight (autocast)", in_flight * 2 * cast))
     if recompute:
         rows.append(("one block recomputed in backward (--activation_checkpointing)", recompute))
-    if not first:  # float32: the residual stream between stages, and its gradient
-        rows.append(("received activation and gradient (point to point)", 2 * 4 * layout.micro_batch
+    if not first:  # the residual stream between stages, and its gradient, in the compute dtype
+        rows.append(("received activation and gradient (point to point)", 2 * e * layout.micro_batch
                      * config.block_size * config.n_embd))
     if last:
         rows.append(("logits and their gradient", layout.micro_batch * config.block_size * config.padded_vocab_size
@@ -308,26 +312,26 @@ class Term(NamedTuple):
 
 
 def tensor_parallel_terms(config, tokens, steps, compute, tp, backend, sequence_parallel, loss_parallel):
-    """[Term] of Megatron's f and g and the vocab-parallel loss over `tokens` a micro-step, `steps` micro-steps.
-    Under bf16 autocast the projections' partial products are bf16; the embedding's output, the layer norms'
-    outputs (whose gradients f reduces) and the loss stay float32."""
+    """[Term] of Megatron's f and g and the vocab-parallel loss over `tokens` a micro-step, `steps` micro-steps. Every
+    f and g and their conjugates carry the compute dtype (under bf16 autocast they cast the layer norms' and the
+    embedding's float32 outputs first); the loss's per-token sums stay float32."""
     L, activation = config.n_layer, tokens * config.n_embd  # elements of one [micro batch, sequence, hidden]
     if sequence_parallel:
         collectives = [
-            ("embedding output, forward (g)", "reduce_scatter", 1, 4),
-            ("attention and MLP partial products, forward (g)", "reduce_scatter", 2 * L, compute),
-            ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + 1, 4),
-            ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + 1, 4),
-            ("partial products' gradients, backward (g)", "all_gather", 2 * L, compute),
-            ("embedding output's gradient, backward (g)", "all_gather", 1, 4)]
+            ("embedding output, forward (g)", "reduce_scatter", 1),
+            ("attention and MLP partial products, forward (g)", "reduce_scatter", 2 * L),
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + 1),
+            ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + 1),
+            ("partial products' gradients, backward (g)", "all_gather", 2 * L),
+            ("embedding output's gradient, backward (g)", "all_gather", 1)]
     else:
         collectives = [
-            ("embedding output, forward (g)", "all_reduce", 1, 4),
-            ("attention and MLP partial products, forward (g)", "all_reduce", 2 * L, compute),
-            ("layer norm outputs' gradients, backward (f, f of the LM head)", "all_reduce", 2 * L + 1, 4)]
+            ("embedding output, forward (g)", "all_reduce", 1),
+            ("attention and MLP partial products, forward (g)", "all_reduce", 2 * L),
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "all_reduce", 2 * L + 1)]
     terms = []
-    for what, kind, count, size in collectives:
-        payload = size * activation // (tp if kind == "all_gather" else 1)  # an all-gather sends its shard
+    for what, kind, count in collectives:
+        payload = compute * activation // (tp if kind == "all_gather" else 1)  # an all-gather sends its shard
         terms.append(Term(what, kind, "tp", steps * count, steps * count * sent(kind, payload, tp, backend)))
     if loss_parallel:  # each token's max logit, then its sum of exponentials and target logit, in float32
         terms.append(Term("vocab-parallel loss, per token", "all_reduce", "tp", 2 * steps,
@@ -415,9 +419,9 @@ def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float3
                           sent("all_reduce", 4, tp * dp // replicate, backend)))  # HSDP: one shard group has all
     if strategy in ("ddp", "zero", "fsdp", "2d"):  # TP peers hold the whole batch's loss already
         terms.append(Term("the logged loss", "all_reduce", "dp", 1, sent("all_reduce", 4, dp, backend)))
-    if strategy in ("ddp", "zero", "fsdp", "tp", "2d"):  # training.StopRequest: the ranks agree whether to stop
-        terms.append(Term("whether a rank was asked to stop", "all_reduce", "world", 1,
-                          sent("all_reduce", 4, tp * dp, backend)))
+    if strategy in ("ddp", "zero", "fsdp", "tp", "2d"):  # training.StopRequest: whether to stop, and why
+        terms.append(Term("whether the gradient norm is finite and a rank was asked to stop", "all_reduce", "world",
+                          1, sent("all_reduce", 8, tp * dp, backend)))
     return terms
 
 

@@ -27,8 +27,11 @@ import training
 
 
 def data_parallel(model, device, bucket_mb):
+    # Buckets as ours: DistributedDataParallel makes its first bucket 1 MiB only when bucket_cap_mb is left at its
+    # default (25); a cap passed explicitly would be its first bucket's too, one all-reduce fewer than ours
+    cap = None if bucket_mb == 25 else bucket_mb
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                   bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+                                   bucket_cap_mb=cap, gradient_as_bucket_view=True)
 
 
 class ZeroRedundancyDataParallel(DistributedDataParallel):

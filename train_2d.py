@@ -14,15 +14,14 @@ Reads top to bottom: arguments -> process groups -> model -> strategy -> loop ->
 
 import time
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-import checkpoint
 import gpt
 import train_fsdp
 import train_tp
-import training
 
 
 def grid(tp, dp):
@@ -41,6 +40,9 @@ def new_groups(tp, dp):
 
 
 def main(argv=None):
+    import checkpoint  # main() is where a script meets the shared files; everything above needs torch and gpt.py
+    import training
+
     parser = training.get_parser(__doc__, "2d")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="torch: DTensor + FSDP2 on a DeviceMesh")
@@ -68,9 +70,9 @@ def main(argv=None):
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
     training.check_tensor_parallel(config, tp, args.sequence_parallel)
     checkpoint_path = checkpoint.to_resume(args)
-    rank, world_size, owns_group = training.init_distributed(args, __file__, device)
+    rank, world_size, owns_group = training.init_distributed(args, device)
     tp_group, dp_group = new_groups(tp, dp)
-    torch.manual_seed(args.seed + dp_rank)  # dropout outside the TP region: TP peers draw the same masks
+    torch.manual_seed(args.seed + dp_rank)  # dropout: the same generators on every TP peer, its own on each DP rank
 
     # ---- model: built on meta; each rank materialises only its FSDP shards of its TP slices
     with torch.device("meta"):
@@ -91,12 +93,12 @@ def main(argv=None):
             reshard_after_forward=not args.no_reshard, tp_boxes={name: (p.shape, p.box) for name, p in tp_parts.items()},
             initial_value=value)
         groups, parts = model.parameter_groups(), [checkpoint.Part(*where) for where in model.parts()]
-        clip_grad_norm = lambda limit: train_tp.clip_grad_norm_(parts, limit, tp_group)  # noqa: E731
+        clip_grad_norm = partial(train_tp.clip_grad_norm_, list(model.named_parameters()), tp_group=tp_group)
     optimizer = training.make_optimizer(groups, args, device)
     forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
+    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device, tp)
     logger = training.Logger(args, config, device, rank, world_size)
     tp_groups, dp_groups = grid(tp, dp)
     logger.print(f"grid: {dp} data-parallel x {tp} tensor-parallel | TP groups {tp_groups} | DP groups {dp_groups}")
@@ -116,9 +118,10 @@ def main(argv=None):
             loss.backward()  # each unit's gradient is reduce-scattered (averaged over DP) as its backward ends
             loss_sum += loss.detach()
         if args.sequence_parallel and parts is not None:
-            train_tp.allreduce_replicated_grads(parts, tp_group)
+            train_tp.allreduce_replicated_grads(list(model.named_parameters()), tp_group)
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
-        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
+        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -127,12 +130,11 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every rank writes its shards of TP-sliced tensors; replicated ones come from TP rank 0
-        stopping = stop_request.agreed(device)  # the same answer on every rank
         if checkpoint.due(step, args) or stopping:
             first = dist.get_rank(tp_group) == 0
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None else
                        checkpoint.pieces([part for part in parts if part.sliced or first], optimizer))
-            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
+            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size, tp)
         if stopping:
             stop_request.stop(step + 1, args.out_dir)
 
@@ -142,4 +144,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import training
     training.run(main)

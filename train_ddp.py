@@ -19,9 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import checkpoint
 import gpt
-import training
 
 
 class Bucket:
@@ -141,6 +139,9 @@ class DataParallel(nn.Module):
 
 
 def main(argv=None):
+    import checkpoint  # main() is where a script meets the shared files; everything above needs torch and gpt.py
+    import training
+
     parser = training.get_parser(__doc__, "ddp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="ours: DataParallel above; torch: torch.nn.parallel.DistributedDataParallel")
@@ -158,7 +159,7 @@ def main(argv=None):
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
     checkpoint_path = checkpoint.to_resume(args)
-    rank, world_size, owns_group = training.init_distributed(args, __file__, device)
+    rank, world_size, owns_group = training.init_distributed(args, device)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
     # ---- model: built on meta, materialised on the device, initialised by parameter name (or from --init_from)
@@ -199,7 +200,8 @@ def main(argv=None):
                 loss.backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
+        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients are views into the all-reduce buckets
 
@@ -208,7 +210,6 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every replica holds everything, so rank 0 alone writes the tensors
-        stopping = stop_request.agreed(device)  # the same answer on every rank
         if checkpoint.due(step, args) or stopping:
             tensors = checkpoint.pieces(parts if rank == 0 else [], optimizer)
             checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
@@ -221,4 +222,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import training
     training.run(main)

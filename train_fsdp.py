@@ -17,9 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import checkpoint
 import gpt
-import training
 
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the name before torch 2.13
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -135,7 +133,9 @@ class FullyShardedDataParallel(nn.Module):
     reduction stay float32. initial_value(name, shape, box, flat), as training.initial_values, gives elements [flat[0],
     flat[1]) of full[box] (needed on meta). tp_boxes {name: (full shape, box)}: train_2d.py's tensor-parallel slices.
     replicate_group (HSDP): the ranks holding the same shards as this one, in the other copies of process_group; each
-    reduce-scattered gradient shard is then averaged over them."""
+    reduce-scattered gradient shard is then averaged over them. Its parameters (named_parameters, state_dict) are this
+    rank's pieces of the module's, by their names: views into the shards, which parameter_groups() gives an optimizer
+    to step whole (the pieces can be stepped instead)."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None):
@@ -151,7 +151,7 @@ class FullyShardedDataParallel(nn.Module):
         self.units = [[FlatParameter(entries, self, device, initial_value) for entries in unit.values()]
                       for unit in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
-        self.shards = nn.ParameterList(flat.shard for flat in self.flats)
+        self.shards = [flat.shard for flat in self.flats]  # not registered: the module's names list this rank's pieces
         for index, unit in enumerate(unit_modules(module, units)):
             unit.register_forward_pre_hook(partial(self._before_forward, index))
             unit.register_forward_hook(partial(self._after_forward, index))
@@ -159,13 +159,13 @@ class FullyShardedDataParallel(nn.Module):
         self.in_flight = None  # the latest reduce-scatter, finished when the next one starts
 
     def forward(self, *args, **kwargs):
-        self.module.zero_grad()  # the pieces' gradients view the last step's: left set, they would keep it alive
+        for flat in self.flats:  # an optimizer dropped one view of a gradient, the shard's or its pieces': drop both
+            if flat.shard.grad is None or any(local.grad is None for local in flat.locals):
+                flat.shard.grad = None
+                for local in flat.locals:
+                    local.grad = None
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.module(*args, **kwargs)
-
-    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
-        """The shards, which the optimizer steps; the wrapped module's own names list this rank's pieces of them."""
-        return self.shards.named_parameters(f"{prefix}.shards".lstrip("."), recurse, remove_duplicate)
 
     def gather(self, index, direction):
         """Gather unit `index` for its modules; the next one's gather (forward +1, backward -1) starts first."""
@@ -258,6 +258,9 @@ def hybrid_groups(replicate):
 
 
 def main(argv=None):
+    import checkpoint  # main() is where a script meets the shared files; everything above needs torch and gpt.py
+    import training
+
     parser = training.get_parser(__doc__, "fsdp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
@@ -282,7 +285,7 @@ def main(argv=None):
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
     checkpoint_path = checkpoint.to_resume(args)
-    rank, world_size, owns_group = training.init_distributed(args, __file__, device)
+    rank, world_size, owns_group = training.init_distributed(args, device)
     shard_group, replicate_group = hybrid_groups(args.replicate) if args.replicate > 1 else (None, None)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
@@ -329,7 +332,8 @@ def main(argv=None):
             loss.backward()  # each unit's gradient is reduce-scattered (averaged over ranks) as its backward ends
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
-        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
+        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -338,7 +342,6 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every rank writes the pieces its shards hold (HSDP: the first shard group; the others copy it)
-        stopping = stop_request.agreed(device)  # the same answer on every rank
         if checkpoint.due(step, args) or stopping:
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None
                        else checkpoint.pieces(parts if rank < shards else [], optimizer))
@@ -352,4 +355,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import training
     training.run(main)

@@ -21,10 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import checkpoint
 import gpt
 import train_ddp
-import training
 
 
 def stage_layers(n_layer, num_stages, stage):
@@ -110,12 +108,13 @@ class PipelineParallel(nn.Module):
     """The pipeline of one rank, seen from its Stage. forward() runs one batch through every stage without autograd
     (evaluation, sampling); step() runs the forward and backward of every micro-batch of an optimizer step in a
     schedule's order. Every rank of a pipeline is given the same token ids, so it knows the shape of what it
-    receives, [*ids.shape, n_embd], without asking (float32: the blocks add autocast's bf16 outputs to a float32
-    residual stream)."""
+    receives, [*ids.shape, n_embd], without asking; and every rank is given the same `dtype` (the compute dtype),
+    in which it sends and receives activations and gradients alike: sender and receiver agree by construction. The
+    residual stream stays float32 inside a stage (the blocks add autocast's bf16 outputs to it)."""
 
-    def __init__(self, stage, group, config):
+    def __init__(self, stage, group, config, dtype=torch.float32):
         super().__init__()
-        self.stage, self.group, self.config = stage, group, config
+        self.stage, self.group, self.config, self.dtype = stage, group, config, dtype
         ranks = dist.get_process_group_ranks(group)  # ascending: stage by stage
         self.index = ranks.index(dist.get_rank())
         self.num_stages = len(ranks)
@@ -124,7 +123,12 @@ class PipelineParallel(nn.Module):
         self.last_rank = ranks[-1]
 
     def buffer(self, ids):
-        return torch.empty(*ids.shape, self.config.n_embd, device=ids.device)
+        return torch.empty(*ids.shape, self.config.n_embd, dtype=self.dtype, device=ids.device)
+
+    def run_stage(self, x, targets=None):
+        """The stage on the token ids, or on a received activation (in float32 again); what it sends is in `dtype`."""
+        out = self.stage(x if self.previous is None else x.float(), targets)
+        return out if self.next is None else out.to(self.dtype)
 
     @torch.no_grad()
     def forward(self, ids, targets=None):
@@ -134,7 +138,7 @@ class PipelineParallel(nn.Module):
         if self.previous is not None:
             x = self.buffer(ids)
             dist.recv(x, self.previous)
-        out = self.stage(x, targets)
+        out = self.run_stage(x, targets)
         if self.next is not None:
             dist.send(out, self.next)
             out = torch.empty(() if targets is not None else (ids.shape[0], 1, self.config.padded_vocab_size),
@@ -163,7 +167,7 @@ class PipelineParallel(nn.Module):
             if kind == "forward":
                 inputs[i] = x if received is None else received.requires_grad_()
                 with autocast:
-                    outputs[i] = self.stage(inputs[i], y if self.next is None else None)
+                    outputs[i] = self.run_stage(inputs[i], y if self.next is None else None)
                 if self.next is None:
                     outputs[i] = outputs[i] / len(batches)  # gradient of the mean over the global batch
                     loss_sum += outputs[i].detach()
@@ -214,6 +218,9 @@ def new_groups(pp, dp):
 
 
 def main(argv=None):
+    import checkpoint  # main() is where a script meets the shared files; everything above needs torch and gpt.py
+    import training
+
     parser = training.get_parser(__doc__, "pp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="torch: torch.distributed.pipelining's PipelineStage and schedules, with DDP")
@@ -242,7 +249,7 @@ def main(argv=None):
         raise training.UsageError(f"--pp {pp} stages, but the model has {config.n_layer} layers and a stage holds "
                                   f"one at least: choose --pp {config.n_layer} or fewer")
     checkpoint_path = checkpoint.to_resume(args)
-    rank, world_size, owns_group = training.init_distributed(args, __file__, device)
+    rank, world_size, owns_group = training.init_distributed(args, device)
     pipeline_group, dp_group, embedding_group = new_groups(pp, dp)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
@@ -254,7 +261,7 @@ def main(argv=None):
     gpt.set_attention(model, args.attn)
 
     # ---- strategy: one stage a rank, its gradients averaged over the stage's replicas in the last backward
-    pipeline = PipelineParallel(stage, pipeline_group, config)
+    pipeline = PipelineParallel(stage, pipeline_group, config, getattr(torch, args.dtype))
     if args.impl == "torch":
         import torch_reference
         run_schedule = torch_reference.pipeline_parallel(stage, stage_index, pp, device, pipeline_group, dp_group,
@@ -284,7 +291,8 @@ def main(argv=None):
         loss_sum = run_schedule(batches, autocast)  # every micro-step's forward and backward, in the schedule's order
         sum_tied_gradients(stage, embedding_group)
         grad_norm = clip_grad_norm_(stage, args.grad_clip or float("inf"), pipeline_group)
-        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
+        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients are views into the all-reduce buckets
 
@@ -293,7 +301,6 @@ def main(argv=None):
             logger.log_step(step, loss_sum / dp_size, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: each stage's first replica writes its tensors; the tied weight comes from the first stage
-        stopping = stop_request.agreed(device)  # the same answer on every rank
         if checkpoint.due(step, args) or stopping:
             owned = [part for part in parts if dp_rank == 0 and (stage.is_first or part.name != "wte.weight")]
             tensors = checkpoint.pieces(owned, optimizer)
@@ -307,4 +314,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import training
     training.run(main)

@@ -12,12 +12,13 @@ from contextlib import nullcontext
 
 import torch
 
-import checkpoint
 import gpt
-import training
 
 
 def main(argv=None):
+    import checkpoint  # main() is where a script meets the shared files; everything above needs torch and gpt.py
+    import training
+
     args = training.get_parser(__doc__, "single").parse_args(argv)
 
     # ---- process groups: one process, one device; the data-parallel coordinates of the only rank
@@ -63,7 +64,8 @@ def main(argv=None):
             loss.backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
+        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -71,7 +73,6 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint
-        stopping = stop_request.agreed(device)  # the same answer on every rank
         if checkpoint.due(step, args) or stopping:
             checkpoint.save(args, step + 1, checkpoint.pieces(parts, optimizer), config, device)
         if stopping:
@@ -81,4 +82,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import training
     training.run(main)

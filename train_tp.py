@@ -17,9 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import checkpoint
 import gpt
-import training
 
 # torch >= 2.13's names for the two collectives, or the older ones (same signatures)
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -76,15 +74,23 @@ reduce_scatter_to_sequence_parallel_region = partial(Conjugate.apply, _reduce_sc
 gather_from_tensor_parallel_region = partial(Conjugate.apply, _all_gather, _split, -1)  # each rank keeps its slice
 
 
+def compute_dtype(x):
+    """What the next matmul reads x in: autocast's while it is on (a layer norm outputs float32, which the matmul
+    casts anyway), else x's dtype. f and g send x in it, their conjugates its gradient (autograd casts it back)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def f(x, group, sequence_parallel):
     """Megatron's f, where a tensor-parallel region starts: copy in, or gather the sequence shards."""
-    return (gather_from_sequence_parallel_region if sequence_parallel else copy_to_tensor_parallel_region)(x, group)
+    region = gather_from_sequence_parallel_region if sequence_parallel else copy_to_tensor_parallel_region
+    return region(x.to(compute_dtype(x)), group)
 
 
 def g(x, group, sequence_parallel):
     """Megatron's g, f's conjugate, where the region ends: sum the partial products, or reduce-scatter them."""
     region = reduce_scatter_to_sequence_parallel_region if sequence_parallel else reduce_from_tensor_parallel_region
-    return region(x, group)
+    return region(x.to(compute_dtype(x)), group)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -185,28 +191,24 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None  # autograd casts it back to the logits' dtype
 
 
-class RNGFork:
-    """Megatron-LM's RNG fork: dropout on a rank's own heads (or sequence shard) must differ across ranks, dropout on
-    what every rank holds alike must agree. `enter`, a hook where the region starts, draws a seed from the default
-    generators (alike on every rank) and reseeds them with it plus the rank; `leave`, where it ends, restores them.
-    The seed is drawn from their state, so a resumed run or a recomputed block, which restore it, replays each mask."""
+class SlicedDropout(nn.Dropout):
+    """Dropout on this rank's slice (along `dim`) of a tensor split over the group: its heads, or its sequence shard.
+    Each rank draws the whole tensor's mask from the default generators (TP peers hold them alike) as one device
+    would, and keeps its slice: no generator is forked, so evaluation draws nothing, resume and recompute replay the
+    masks, and a compiled block holds plain random ops. The cost: t times the draws, and the whole mask briefly."""
 
-    def __init__(self, rank):
-        self.rank = rank
-        self.outside = None  # the default generators' state (CPU, this GPU's or None) while the region runs
+    def __init__(self, p, group, dim):
+        super().__init__(p)
+        self.dim, self.rank, self.world = dim, dist.get_rank(group), dist.get_world_size(group)
 
-    def enter(self, module, args):
-        seed = int(torch.randint(2**62, ()))  # advances the default generator: the next region draws another
-        device = args[0].device
-        self.outside = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-        torch.manual_seed(seed + self.rank)
-
-    def leave(self, module, args, *output):
-        # By hand, not torch.random.fork_rng: a recompute that stops early (non-reentrant checkpoint) skips the last
-        # leave, and an abandoned fork_rng restores its stale state whenever it is collected.
-        torch.set_rng_state(self.outside[0])
-        if self.outside[1] is not None:
-            torch.cuda.set_rng_state(self.outside[1], args[0].device)
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        size = x.shape[self.dim]
+        whole = [n * self.world if d == self.dim else n for d, n in enumerate(x.shape)]
+        mask = F.dropout(torch.ones(whole, dtype=x.dtype, device=x.device), self.p)  # 0 or 1 / (1 - p)
+        keep = mask.narrow(self.dim, self.rank * size, size) != 0  # a bool copy: the whole mask is freed here
+        return x * keep / (1 - self.p)
 
 
 # What parallelize() splits in each block, by gpt.py's names: column-parallel linears by output rows, weight and bias
@@ -216,10 +218,11 @@ ROW_PARALLEL = ("attn.proj", "mlp.proj")
 
 
 def is_sliced(name):
-    """Whether tensor parallelism splits parameter `name` across ranks (the planner counts 1/tp of it)."""
-    module, _, kind = name.split(".", 2)[-1].rpartition(".")  # blocks.3.attn.query.bias -> attn.query, bias
-    vocabulary = name in ("wte.weight", "lm_head.weight")
-    return vocabulary or module in COLUMN_PARALLEL or (module in ROW_PARALLEL and kind == "weight")
+    """Whether tensor parallelism splits parameter `name` (gpt.py's, under any prefix) across ranks, as opposed to
+    replicating it on each (the planner counts 1/tp of it)."""
+    module, _, kind = name.rpartition(".")  # blocks.3.attn.query.bias -> blocks.3.attn.query, bias
+    vocabulary = name.endswith(("wte.weight", "lm_head.weight"))
+    return vocabulary or module.endswith(COLUMN_PARALLEL) or (module.endswith(ROW_PARALLEL) and kind == "weight")
 
 
 def sampling_hooks(model, multiple, gather):
@@ -252,19 +255,17 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
                 block.set_submodule(name, ColumnParallelLinear(module, group))
             if name in ROW_PARALLEL:
                 block.set_submodule(name, RowParallelLinear(module, group, sequence_parallel))
-    rng = RNGFork(dist.get_rank(group))
-    for module in model.modules():
-        if isinstance(module, gpt.CausalSelfAttention) and model.config.dropout:  # own heads: from here to proj
-            module.register_forward_pre_hook(rng.enter)
-            module.proj.register_forward_pre_hook(rng.leave)
+    for module in list(model.modules()):
+        if isinstance(module, gpt.CausalSelfAttention):  # the attention probabilities of this rank's heads
+            module.attn_dropout = SlicedDropout(model.config.dropout, group, dim=1)
         if isinstance(module, (gpt.CausalSelfAttention, gpt.MLP)):  # f once per region: q, k and v share one
             module.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel), *args[1:]))
         if sequence_parallel and isinstance(module, (VocabParallelEmbedding, nn.LayerNorm, nn.RMSNorm)):  # [T, B, C]
             module.register_forward_pre_hook(lambda module, args: args[0].transpose(0, 1))  # as stored: no copies
             module.register_forward_hook(lambda module, args, out: out.transpose(0, 1))
-        if isinstance(module, nn.Dropout) and sequence_parallel and model.config.dropout:  # this rank's shard
-            module.register_forward_pre_hook(rng.enter)
-            module.register_forward_hook(rng.leave)
+        for name, child in list(module.named_children()):  # the residual stream's dropouts, on this rank's shard
+            if type(child) is nn.Dropout and sequence_parallel:
+                setattr(module, name, SlicedDropout(model.config.dropout, group, dim=1))
     model.wte.register_forward_hook(lambda module, args, out: g(out, group, sequence_parallel))
     if sequence_parallel and model.wpe is not None:  # GPT-2's positions: this rank's shard, as the token embeddings
         model.wpe.register_forward_pre_hook(lambda module, args: _split(args[0], group, 0))
@@ -280,31 +281,33 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
     return sampling_hooks(model, dist.get_world_size(group) if sequence_parallel else 1, gather)
 
 
-def allreduce_replicated_grads(parts, group):
+def allreduce_replicated_grads(named_parameters, group):
     """Under sequence parallelism a replicated parameter (layer norms, wpe, row-parallel biases) saw only this rank's
-    sequence shard: sum their gradients in one flat all-reduce. In train_2d.py the parts are FSDP shards: TP peers
-    shard alike, so equal positions hold the same elements."""
-    grads = [part.local(part.tensor.grad) for part in parts if not part.sliced]
+    sequence shard: sum their gradients in one flat all-reduce. In train_2d.py named_parameters are this rank's FSDP
+    pieces: TP peers shard alike, so their pieces hold the same elements."""
+    grads = [param.grad.view(-1) for name, param in named_parameters if not is_sliced(name)]
     if grads:
         flat = torch.cat(grads)
         dist.all_reduce(flat, group=group)
         torch._foreach_copy_(grads, flat.split([len(grad) for grad in grads]))
 
 
-def clip_grad_norm_(parts, max_norm, tp_group):
+def clip_grad_norm_(named_parameters, max_norm, tp_group):
     """The full model's gradient norm, each element counted once: slices on their own rank, replicated parameters
-    on TP rank 0 only (in train_2d.py each part is also an FSDP shard, disjoint across data-parallel ranks)."""
+    on TP rank 0 only (in train_2d.py each is also an FSDP piece, disjoint across data-parallel ranks)."""
     first = dist.get_rank(tp_group) == 0
-    squares = [part.local(part.tensor.grad).float().pow(2).sum() for part in parts if part.sliced or first]
-    total = sum(squares, torch.zeros((), device=parts[0].tensor.device))
-    dist.all_reduce(total)  # over every rank: in train_2d.py the data-parallel shards are disjoint too
+    grads = [param.grad for name, param in named_parameters if is_sliced(name) or first]
+    total = sum((grad.float().pow(2).sum() for grad in grads), torch.zeros((), device=named_parameters[0][1].device))
+    dist.all_reduce(total)  # over every rank: in train_2d.py the data-parallel pieces are disjoint too
     norm = total.sqrt()
-    tensors = list(dict.fromkeys(part.tensor for part in parts))  # each once: an FSDP shard holds many parts
-    torch.nn.utils.clip_grads_with_norm_(tensors, max_norm, norm)
+    torch.nn.utils.clip_grads_with_norm_([param for _, param in named_parameters], max_norm, norm)
     return norm
 
 
 def main(argv=None):
+    import checkpoint  # main() is where a script meets the shared files; everything above needs torch and gpt.py
+    import training
+
     parser = training.get_parser(__doc__, "tp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: DTensor parallelize_module")
     parser.add_argument("--tp", type=training.positive_int, help="tensor-parallel size: the world size (default)")
@@ -327,8 +330,8 @@ def main(argv=None):
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
     training.check_tensor_parallel(config, world_size, args.sequence_parallel)
     checkpoint_path = checkpoint.to_resume(args)
-    rank, world_size, owns_group = training.init_distributed(args, __file__, device)
-    torch.manual_seed(args.seed + dp_rank)  # dropout outside the tensor-parallel region: the same on every tp rank
+    rank, world_size, owns_group = training.init_distributed(args, device)
+    torch.manual_seed(args.seed + dp_rank)  # dropout: the same generators on every tp rank, so the same masks
 
     # ---- model: built on meta, parallelised there, materialised on the device, each slice initialised by name
     with torch.device("meta"):
@@ -346,7 +349,7 @@ def main(argv=None):
         for part in parts:  # each rank reads its own slices only: together the ranks hold train_single's weights
             part.local().copy_(value(part.name, part.shape, part.box, part.flat))
         groups = training.decay_groups(model.parameters())
-        clip_grad_norm = partial(clip_grad_norm_, parts, tp_group=dist.group.WORLD)
+        clip_grad_norm = partial(clip_grad_norm_, list(model.named_parameters()), tp_group=dist.group.WORLD)
     gpt.set_attention(model, args.attn)
 
     # ---- strategy: sharded matrices, replicated norms and biases; replicated tensors are saved by rank 0 only
@@ -354,7 +357,7 @@ def main(argv=None):
     forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
 
-    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
+    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device, tp=world_size)
     logger = training.Logger(args, config, device, rank, world_size)
     modes = f"--impl {args.impl}, sequence_parallel={args.sequence_parallel}, loss_parallel={not args.no_loss_parallel}"
     logger.start(train_data, dp_size, start_step, layout=f"tensor parallel {world_size} ({modes}) | ")
@@ -373,9 +376,10 @@ def main(argv=None):
             loss.backward()
             loss_sum += loss.detach()  # the whole batch's loss on every tp rank: no reduction needed
         if args.sequence_parallel and parts is not None:
-            allreduce_replicated_grads(parts, dist.group.WORLD)
+            allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD)
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
-        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
+        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -383,11 +387,10 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every rank its slices, rank 0 the replicated tensors
-        stopping = stop_request.agreed(device)  # the same answer on every rank
         if checkpoint.due(step, args) or stopping:
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None else
                        checkpoint.pieces([part for part in parts if part.sliced or rank == 0], optimizer))
-            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
+            checkpoint.save(args, step + 1, tensors, config, device, rank, world_size, tp=world_size)
         if stopping:
             stop_request.stop(step + 1, args.out_dir)
 
@@ -397,4 +400,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import training
     training.run(main)

@@ -19,10 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import checkpoint
 import gpt
 import train_ddp
-import training
 
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the name before torch 2.13
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -135,6 +133,9 @@ class ZeroStage2(ZeroStage1):
 
 
 def main(argv=None):
+    import checkpoint  # main() is where a script meets the shared files; everything above needs torch and gpt.py
+    import training
+
     parser = training.get_parser(__doc__, "zero")
     parser.add_argument("--stage", type=int, default=1, choices=[1, 2],
                         help="1: AdamW's moments sharded over the ranks; 2: the gradients too")
@@ -158,7 +159,7 @@ def main(argv=None):
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
     checkpoint_path = checkpoint.to_resume(args)
-    rank, world_size, owns_group = training.init_distributed(args, __file__, device)
+    rank, world_size, owns_group = training.init_distributed(args, device)
     torch.manual_seed(args.seed + rank)  # dropout masks; the data order depends on (seed, step) alone
 
     # ---- model: built on meta, materialised on the device, initialised by parameter name (or from --init_from)
@@ -201,7 +202,8 @@ def main(argv=None):
                 loss.backward()
             loss_sum += loss.detach()
         grad_norm = ddp_model.clip_grad_norm_(args.grad_clip or float("inf"))  # over the ranks' slices
-        checkpoint.check_finite(step, loss_sum, grad_norm, args)  # a diverged step changes nothing
+        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()  # this rank's slices only
         ddp_model.gather_parameters()  # every rank's updated slices, into every rank's weights
         ddp_model.zero_grad(set_to_none=False)  # in place, every bucket: the optimizer holds only this rank's slices
@@ -211,7 +213,6 @@ def main(argv=None):
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
         # ---- checkpoint: every rank writes its own slices, the only copy of their AdamW moments
-        stopping = stop_request.agreed(device)  # the same answer on every rank
         if checkpoint.due(step, args) or stopping:
             tensors = checkpoint.pieces(parts, optimizer)
             checkpoint.save(args, step + 1, tensors, config, device, rank, world_size)
@@ -224,4 +225,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import training
     training.run(main)

@@ -66,7 +66,8 @@ def get_parser(description, strategy="single"):
     add("--compile", action="store_true", help="torch.compile each transformer block")
     add("--activation_checkpointing", action="store_true", help="recompute blocks in backward: less memory")
     add("--tf32", action="store_true", help="TF32 matmuls on CUDA (faster; float32 differs ~1e-3)")
-    add("--attn", default="sdpa", choices=["sdpa", "flash"], help="torch's scaled_dot_product_attention or flash-attn")
+    add("--attn", default="sdpa", choices=["sdpa", "flash"],
+        help="torch's scaled_dot_product_attention or flash-attn (training with --dropout: gpt.py's explicit one)")
     add("--timeout", type=positive, default=600, help="seconds a collective may wait before failing")
     group = p.add_argument_group("evaluation and sample")
     add = group.add_argument
@@ -231,58 +232,69 @@ def get_device(args, local_rank=0):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is visible; use --device cpu")
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        # LOCAL_RANK indexes the node's GPUs, unless the launcher shows each process only its own
+        device = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0)
+        torch.cuda.set_device(device)
+        return device
     # Ranks sharing a machine share its cores; oversubscribing them makes every rank several times slower.
     if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins (torchrun sets 1 for several ranks)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     return torch.device("cpu")
 
 
-def init_distributed(args, script, device):
+def init_distributed(args, device):
     """Join the process group (unless a test already did), check every rank: (rank, world size, whether it joined)."""
     owns_group = not dist.is_initialized()
     if owns_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=args.timeout)
+        # On CUDA, bound to this rank's GPU: NCCL's communicators are made at once, and new_group splits them
+        options = dict(timeout=timedelta(seconds=args.timeout), device_id=device if device.type == "cuda" else None)
         if "RANK" in os.environ:  # torchrun's (or another launcher's) rendezvous
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, **options)
         else:  # a plain `python train_X.py`: a world of one process, which needs no rendezvous
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    check_same_on_every_rank(args, script, world_size)
+    check_same_on_every_rank(args, world_size)
     env_rank, _, env_world = launched_rank()
     if (rank, world_size) != (env_rank, env_world):  # the samplers took their rows from the environment
         raise RuntimeError(f"RANK, WORLD_SIZE = {env_rank}, {env_world} but the process group has {rank}, {world_size}")
     return rank, world_size, owns_group
 
 
-def check_same_on_every_rank(args, script, world_size):
-    """Every rank must run the same code (the script, this file, checkpoint.py, gpt.py) with the same flags: a stale
-    copy or other flags would desynchronise the collectives and hang much later. Refused on every rank alike."""
-    code = hashlib.sha256()
-    for name in (script, __file__, "checkpoint.py", gpt.__file__):
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), "rb") as f:
-            code.update(f.read())
+def project_code():
+    """{file: SHA-256} of every module this process has loaded from the project's folder (the script, the scripts it
+    composes, the shared files, whatever else it imported from there), and torch's version."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    paths = {os.path.abspath(getattr(module, "__file__", None) or "") for module in list(sys.modules.values())}
+    code = {"torch": torch.__version__}
+    for path in sorted(p for p in paths if os.path.dirname(p) == folder and p.endswith(".py") and os.path.isfile(p)):
+        with open(path, "rb") as f:
+            code[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
+    return code
+
+
+def check_same_on_every_rank(args, world_size):
+    """Every rank must run the same code (project_code) with the same flags: a stale copy or other flags would
+    desynchronise the collectives and hang much later. Refused on every rank alike."""
     flags = {key: str(value) for key, value in vars(args).items() if key != "log_all_ranks"}
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, (code.hexdigest(), flags))
-    differ = [rank for rank, (other, _) in enumerate(everyone) if other != everyone[0][0]]
-    if differ:
-        raise UsageError(f"ranks {differ} run other code (script, training.py, checkpoint.py or gpt.py) than rank 0; "
-                         "launch every rank with the same files and flags")
-    differ = [rank for rank, (_, other) in enumerate(everyone) if other != everyone[0][1]]
-    if differ:  # the same code, so the same flags: only their values differ
-        ours, theirs = everyone[0][1], everyone[differ[0]][1]
-        changed = ", ".join(f"--{key} {ours[key]} vs {theirs[key]}" for key in sorted(ours) if ours[key] != theirs[key])
-        raise UsageError(f"ranks {differ} run other arguments than rank 0 (rank 0 vs rank {differ[0]}: {changed}); "
-                         "launch every rank with the same files and flags")
+    dist.all_gather_object(everyone, (project_code(), flags))
+    for what, index in ("code", 0), ("arguments", 1):
+        ours = everyone[0][index]
+        differ = [rank for rank, other in enumerate(everyone) if other[index] != ours]
+        if differ:  # code first: the same code, so the same flags, whose values alone may differ
+            theirs = everyone[differ[0]][index]
+            changed = [f"--{key} {ours[key]} vs {theirs[key]}" if what == "arguments" else key
+                       for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key)]
+            raise UsageError(f"ranks {differ} run other {what} than rank 0 (rank 0 vs rank {differ[0]}: "
+                             f"{', '.join(changed)}); launch every rank with the same files and flags")
 
 
 class StopRequest:
     """SIGTERM (a preemption, or torchrun passing one on) or SIGUSR1 (Slurm's --signal=B:USR1@120) stops the run after
-    the step it is in: the ranks agree on that step (one all-reduce a step), save it, and exit PREEMPTED_EXIT_CODE.
-    A rank still running SIGTERM_GRACE_S after a SIGTERM (stuck: a peer is gone) is ended then."""
+    the step it is in: the ranks agree on that step, save it, and exit PREEMPTED_EXIT_CODE. A rank still running
+    SIGTERM_GRACE_S after a SIGTERM (stuck: a peer is gone) is ended then. The agreement travels with the step's other
+    question, whether its gradient norm is finite: one small all-reduce and the step's one read of the device."""
 
     def __init__(self):
         self.received = set()
@@ -294,12 +306,15 @@ class StopRequest:
             signal.alarm(SIGTERM_GRACE_S)  # SIGALRM's default action ends the process
         self.received.add(signal.Signals(number).name)
 
-    def agreed(self, device):
-        """Whether any rank has received one: the same answer on every rank."""
-        received = torch.tensor(float(bool(self.received)), device=device)
+    def agreed(self, grad_norm):
+        """(whether the gradient norm is not finite, whether any rank has received a signal): the same answers on
+        every rank. Built on the device (torch.full, not torch.tensor, which would wait for it to copy the value)."""
+        received = torch.full((), float(bool(self.received)), device=grad_norm.device)
+        flags = torch.stack([(~torch.isfinite(grad_norm)).float(), received])
         if dist.is_initialized():
-            dist.all_reduce(received, op=dist.ReduceOp.MAX)
-        return received.item() > 0
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        diverged, stopping = flags.tolist()  # the host waits here for the step's backward, once
+        return diverged > 0, stopping > 0
 
     def stop(self, step, out_dir):
         signal.alarm(0)  # saved: nothing left for the deadline to guard
