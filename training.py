@@ -53,7 +53,8 @@ def get_parser(description, strategy="single"):
     add("--seed", type=int, default=1337, help="seeds the initial weights, the batches and sampling")
     add = p.add_argument_group("batch and schedule").add_argument
     add("--global_batch", type=positive_int, default=16, help="sequences per optimizer step")
-    add("--micro_batch", type=positive_int, help="sequences per rank per micro-step (default: no accumulation)")
+    add("--micro_batch", type=positive_int, help="sequences per rank per micro-step (default: no accumulation; "
+        "train_pp.py: 2 x --pp micro-batches or more)")
     add("--max_steps", type=positive_int, default=1000, help="optimizer steps of the whole run")
     add("--lr", type=non_negative, default=3e-3, help="peak learning rate, reached after the warmup")
     add("--min_lr", type=non_negative, default=3e-4, help="learning rate at --max_steps (cosine)")
