@@ -298,11 +298,11 @@ class StopRequest:
             dist.all_reduce(received, op=dist.ReduceOp.MAX)
         return received.item() > 0
 
-    def stop(self, step, out_dir):
+    def stop(self, saved_step, out_dir):
         signal.alarm(0)  # saved: nothing left for the deadline to guard
         received = " and ".join(sorted(self.received)) or "a signal to another rank"
-        raise Stopped(f"stopped on request ({received}) after step {step}, saved in {out_dir!r}: the same command "
-                      "with --resume goes on from there", PREEMPTED_EXIT_CODE)
+        raise Stopped(f"stopped on request ({received}) after step {saved_step - 1}, saved in {out_dir!r}: the same "
+                      f"command with --resume goes on at step {saved_step}", PREEMPTED_EXIT_CODE)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -531,6 +531,8 @@ class Logger:
     def start(self, sampler, dp_size, start_step, layout=""):
         args = self.args
         origin = "from scratch" if not args.init_from else f"from {args.init_from}'s weights"
+        if args.resume:  # and nothing was there to resume
+            origin += f" (--resume: no checkpoint in {args.out_dir!r} yet)"
         self.print(f"{args.init_from or args.model or 'tiny'}: {self.num_params / 1e6:.2f}M parameters | "
                    f"{self.world_size} rank{'s' * (self.world_size > 1)} on {self.device} | {layout}global batch "
                    f"{args.global_batch} = micro batch {sampler.micro_batch} x {sampler.accumulation} accumulation x "
