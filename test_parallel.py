@@ -3318,8 +3318,9 @@ def test_quick_start_runs_in_the_readme_order(corpus, tmp_path):
 
 
 WALKTHROUGH_SHORTER = {  # how a walkthrough's command starts -> flags appended that only make it smaller
+    "python prepare_data.py": ["--num_proc", "1"],
     "python hugging_face.py": ["--n_layer", "2", "--n_head", "2", "--n_embd", "64"],
-    "torchrun": ["--max_steps", "2", "--eval_iters", "1"],
+    "torchrun": ["--max_steps", "1", "--eval_iters", "1"],
     "python sample.py": ["--sample_tokens", "8"],
 }
 
@@ -3357,8 +3358,8 @@ def test_fine_tuning_walkthroughs_run_as_written(corpus, tmp_path):
         assert done.returncode == 0, f"{script}\n{outputs[section][-5000:]}"
     walked = outputs["On CPU, offline: fine-tune on a local text folder, then sample"]
     assert len(list((repo / "texts").glob("*.py"))) > 10 and (repo / "gpt2-tiny" / "model.safetensors").exists()
-    assert "from gpt2-tiny's weights" in walked and "step     1 |" in walked, walked[-3000:]
-    assert "checkpoint out/finetune/ckpt-0000002 (step 2)\nsample:\ndef " in walked, walked[-3000:]
+    assert "from gpt2-tiny's weights" in walked and "step     0 |" in walked, walked[-3000:]
+    assert "checkpoint out/finetune/ckpt-0000001 (step 1)\nsample:\ndef " in walked, walked[-3000:]
     measured = outputs["What loading costs"]
     assert "pieces of 1/8 of a parameter" in measured and "from gpt2-bytes's weights" in measured, measured[-3000:]
 
