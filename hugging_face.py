@@ -164,7 +164,8 @@ def write_random_gpt2(folder, n_layer=12, n_head=12, n_embd=768, n_positions=102
     for i in range(n_layer):
         shapes.update({f"h.{i}.ln_1.weight": (n_embd,), f"h.{i}.attn.c_attn.weight": (n_embd, 3 * n_embd),
                        f"h.{i}.attn.c_proj.weight": (n_embd, n_embd), f"h.{i}.ln_2.weight": (n_embd,),
-                       f"h.{i}.mlp.c_fc.weight": (n_embd, 4 * n_embd), f"h.{i}.mlp.c_proj.weight": (4 * n_embd, n_embd)})
+                       f"h.{i}.mlp.c_fc.weight": (n_embd, 4 * n_embd),
+                       f"h.{i}.mlp.c_proj.weight": (4 * n_embd, n_embd)})
     shapes["ln_f.weight"] = (n_embd,)
     shapes.update({name.replace("weight", "bias"): shape[-1:] for name, shape in list(shapes.items())
                    if not name.startswith(("wte", "wpe"))})

@@ -223,7 +223,8 @@ def main(argv=None):
     parser = training.get_parser(__doc__, "pp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="torch: torch.distributed.pipelining's PipelineStage and schedules, with DDP")
-    parser.add_argument("--pp", type=training.positive_int, default=2, help="pipeline stages, at most the layers")
+    parser.add_argument("--pp", type=training.positive_int, default=2, help="pipeline stages, at most the layers; "
+                        "without --micro_batch, the global batch runs as 2 x --pp micro-batches or more")
     parser.add_argument("--dp", type=training.positive_int, help="replicas of the pipeline (default: world / --pp)")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"],
                         help="gpipe: every forward, then every backward; 1f1b: one forward, one backward in turn")
