@@ -5,8 +5,10 @@ The README's figures, drawn from real runs. Needs matplotlib, an optional extra 
     python figures.py --steps 20 --block_size 32 --out_dir /tmp/figures          # a quick, small version
     python figures.py --model llama-tiny --out_dir /tmp/figures-llama     # the runs' figures on Llama 3's shape
 
-losses.png      the training loss of single, DDP, FSDP, TP with sequence parallelism and 2-D over the same run
-                (the default run: 300 steps), overlaid, and each layout's |difference| from single, log scale
+losses.png      the training loss of single, DDP, FSDP, TP with sequence parallelism, 2-D and PP over the same run
+                (300 steps at --lr 1e-3), overlaid, and each layout's |difference| from single in float32 spacings
+drift.png       the same for the Quick start's six 1000-step runs at its --lr 3e-3, read from their metrics.jsonl
+                in --quick_start (where the README's commands write them): how far the layouts drift apart
 comm_bytes.png  the bytes one rank sends per step through collectives: measured by bench.py (ours and PyTorch's),
                 against plan.comm_formula, stacked by the formula's collectives
 memory.png      memory per rank of GPT-2 124M on 8 GPUs by strategy, stacked by kind (plan.plan_memory, the
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import textwrap
 
+import numpy as np
 import torch
 
 import bench
@@ -43,7 +46,10 @@ import training
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOSS_RUNS = [("single", "train_single.py", 1, []), ("DDP", "train_ddp.py", 2, []), ("FSDP", "train_fsdp.py", 2, []),
              ("TP + sequence parallel", "train_tp.py", 2, ["--sequence_parallel"]),
-             ("2-D (tp 2 x dp 2)", "train_2d.py", 4, ["--tp", "2", "--dp", "2"])]
+             ("2-D (tp 2 x dp 2)", "train_2d.py", 4, ["--tp", "2", "--dp", "2"]),
+             ("PP (2 stages, 1F1B)", "train_pp.py", 2, [])]
+QUICK_START = [("single", "single"), ("DDP", "ddp"), ("FSDP", "fsdp"), ("TP + sequence parallel", "tp"),
+               ("2-D (tp 2 x dp 2)", "2d"), ("PP (2 stages, 1F1B)", "pp")]  # layout, its script's --out_dir in out/
 COMM_STRATEGIES = ["ddp", "fsdp", "tp", "tp_sequence_parallel", "tp_no_loss_parallel", "2d"]
 COMM_IMPLS = ["ours", "torch"]
 # GPT-2 124M on 8 GPUs: its 12 heads do not divide by 8, so tensor parallelism runs 2 or 4 wide, times data parallel.
@@ -58,7 +64,6 @@ MEMORY_FIGURES = {
               MEMORY_LAYOUTS[:2] + [("2-D + SP\ntp 8 x dp 1", dict(strategy="2d", dp=1, tp=8,
                                                                        sequence_parallel=True))]),
 }
-EQUAL = 1e-8  # where the loss-difference panel draws an exact 0
 COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#000000"]
 
 
@@ -128,31 +133,90 @@ def draw_pipeline(plt, timeline, path):
     plt.close(figure)
 
 
+def spacings(loss, reference):
+    """|loss - reference| in float32's spacings at the reference: both are float32 values, so a whole number."""
+    return abs(loss - reference) / float(np.spacing(np.float32(reference)))
+
+
 def draw_losses(plt, curves, path):
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    reference = dict(curves["single"])
-    for (name, curve), color in zip(curves.items(), COLORS):
+    """The curves overlaid on top, each drawn narrower than the one before so that every one shows; below, a strip a
+    layout with its |difference| from single's loss at each step in float32 spacings, bit-equal steps at 0."""
+    reference, others = dict(curves["single"]), [name for name in curves if name != "single"]
+    figure, axes = plt.subplots(1 + len(others), 1, figsize=(8, 4 + 0.9 * len(others)), sharex=True,
+                                gridspec_kw=dict(height_ratios=[4] + [1] * len(others)))
+    for index, ((name, curve), color) in enumerate(zip(curves.items(), COLORS)):
         steps, losses = zip(*curve)
-        top.plot(steps, losses, label=name, color=color, linewidth=1.2)
-        if name != "single":
-            # Bit-equal losses have no place on a log axis: they are drawn at EQUAL, below float32's spacing here.
-            bottom.scatter(steps, [max(abs(loss - reference[step]), EQUAL) for step, loss in curve], color=color,
-                           label=name, s=6)
-    top.set_ylabel("training loss")
-    top.set_title("The same run under every layout (tiny model, float32, CPU)")
-    top.legend()
-    for spacing in (2**-22, 2**-21):  # float32's spacing between numbers in [2, 4) and [4, 8)
-        bottom.axhline(spacing, color="#999999", linewidth=0.6, linestyle="--")
-    bottom.text(0, 2**-21 * 1.3, "float32's spacing at losses of 2-4 and 4-8 (dashed)", fontsize=7)
-    bottom.text(0, EQUAL * 1.4, "bit-equal to single's loss", fontsize=7)
-    bottom.set_yscale("log")
-    bottom.set_ylim(EQUAL / 2, 1e-5)
-    bottom.set_ylabel("|loss - single's loss|")
-    bottom.set_xlabel("step")
-    bottom.legend(fontsize=8, loc="upper right")
+        axes[0].plot(steps, losses, label=name, color=color, linewidth=len(curves) - index)
+    axes[0].set_ylabel("training loss")
+    axes[0].set_title("The same run under every layout (tiny model, float32, CPU)")
+    axes[0].legend(title="the curves coincide: each is drawn\nnarrower on top of the one before", fontsize=8,
+                   title_fontsize=8)
+    for axis, name, color in zip(axes[1:], others, COLORS[1:]):
+        steps, differences = zip(*[(step, spacings(loss, reference[step])) for step, loss in curves[name]])
+        axis.scatter(steps, differences, color=color, s=5)
+        axis.set_ylim(-0.7, max(4, max(differences)) + 0.7)
+        axis.set_yticks(range(0, int(max(4, max(differences))) + 1, 2))
+        axis.set_ylabel("spacings", fontsize=7)
+        equal = sum(difference == 0 for difference in differences)
+        axis.set_title(f"{name}: bit-equal to single's loss at {equal} of {len(steps)} steps", loc="left", fontsize=8)
+    axes[1].set_title("|loss - single's loss| in float32 spacings (2.4e-7 between 2 and 4)", loc="right", fontsize=8)
+    axes[-1].set_xlabel("step")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def quick_start_curves(folder):
+    """{layout: [(step, loss, val loss or None)]} of the Quick start's runs in `folder` (out/ by default, where its
+    commands write them), or None if a run is missing."""
+    curves = {}
+    for name, out_dir in QUICK_START:
+        path = os.path.join(folder, out_dir, "metrics.jsonl")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            records = {record["step"]: record for record in map(json.loads, f)}  # a resumed run: the last word
+        curves[name] = [(step, r["loss"], r.get("val_loss")) for step, r in sorted(records.items())]
+    return curves
+
+
+def draw_drift(plt, curves, path):
+    """The Quick start's runs: their losses, then each layout's |loss - single's| at every logged step, on an axis
+    logarithmic above float32's spacing and linear below it (a bit-equal step sits at 0)."""
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    reference = {step: loss for step, loss, _ in curves["single"]}
+    for index, ((name, curve), color) in enumerate(zip(curves.items(), COLORS)):
+        steps, losses, _ = zip(*curve)
+        top.plot(steps, losses, label=name, color=color, linewidth=len(curves) - index)
+        if name != "single":
+            differences = [abs(loss - reference[step]) for step, loss, _ in curve]
+            bottom.plot(steps, differences, color=color, label=name, linewidth=0.6, marker=".", markersize=3)
+    top.set_ylabel("training loss")
+    top.set_title("The Quick start's runs: the same run under every layout, 1000 steps at --lr 3e-3", fontsize=10)
+    top.legend(title="each drawn narrower on top of the one before", fontsize=8, title_fontsize=8)
+    bottom.set_yscale("symlog", linthresh=2**-22)
+    bottom.set_ylim(0, None)
+    bottom.set_ylabel("|loss - single's loss|")
+    bottom.set_xlabel("step")
+    bottom.set_title("float32 rounding, amplified by training: log scale beyond float32's spacing (2.4e-7), linear "
+                     "within it", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def drift_summary(curves):
+    """The numbers the README quotes: each layout's final train and validation loss, and the largest |difference|
+    from single's train loss at a few steps and over the whole run."""
+    reference = {step: loss for step, loss, _ in curves["single"]}
+    rows = {}
+    for name, curve in curves.items():
+        differences = {step: abs(loss - reference[step]) for step, loss, _ in curve}
+        largest = max(differences, key=differences.get)
+        rows[name] = dict(final_step=curve[-1][0], loss=curve[-1][1], val_loss=curve[-1][2],
+                          difference_at={step: differences[step] for step in (0, 100, 500) if step in differences},
+                          largest_difference=differences[largest], at_step=largest)
+    return rows
 
 
 def draw_comm(plt, comm, block_size, path):
@@ -374,6 +438,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of the loss curves' runs")
     p.add_argument("--block_size", type=int, default=128, help="context length of every run")
     p.add_argument("--comm_steps", type=int, default=3, help="steps of each run whose last step's bytes are read")
+    p.add_argument("--quick_start", default="out", help="where the Quick start's six commands wrote their runs (each "
+                   "script's default --out_dir, out/<strategy>): drift.png draws them; without them, figures.json's")
     p.add_argument("--replot", action="store_true", help="redraw from --out_dir's figures.json, running nothing")
     p.add_argument("--layout_worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -388,7 +454,10 @@ def main(argv=None):
 
     prepare_data.ensure_data(args.data, is_writer=True)
     os.makedirs(args.out_dir, exist_ok=True)
-    numbers = {}
+    numbers, previous, saved = {}, {}, os.path.join(args.out_dir, "figures.json")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            previous = json.load(f)
     with tempfile.TemporaryDirectory() as tmp:
         parts = layout_parts(tmp)
         for strategy, ranks in parts.items():
@@ -396,8 +465,7 @@ def main(argv=None):
                                       **bench.STRATEGY_CODE, **LAYOUT_TITLES[strategy][1])
             draw_layout(plt, strategy, ranks, terms, os.path.join(args.out_dir, f"layout_{strategy}.png"))
         if args.replot:  # the numbers of the last full run: only the drawing changes
-            with open(os.path.join(args.out_dir, "figures.json")) as f:
-                numbers = json.load(f)
+            numbers = previous
         else:
             numbers["comm_bytes"], numbers["losses"] = comm_bytes(args, tmp), loss_curves(args, tmp)
         draw_comm(plt, numbers["comm_bytes"], args.block_size, os.path.join(args.out_dir, "comm_bytes.png"))
@@ -408,17 +476,28 @@ def main(argv=None):
     family = "llama" if args.model.startswith("llama") else "gpt2"
     numbers["memory"] = memory_rows(family)
     draw_memory(plt, numbers["memory"], os.path.join(args.out_dir, "memory.png"), MEMORY_FIGURES[family][4])
+    numbers["quick_start"] = quick_start_curves(args.quick_start) or previous.get("quick_start")
+    if numbers["quick_start"]:
+        draw_drift(plt, numbers["quick_start"], os.path.join(args.out_dir, "drift.png"))
+        numbers["quick_start_summary"] = drift_summary(numbers["quick_start"])
+    else:
+        print(f"drift.png not drawn: no Quick start runs in {args.quick_start!r} (run its six commands first)")
     reference = dict(numbers["losses"]["single"])
     numbers["max_loss_difference"] = {name: max(abs(loss - reference[step]) for step, loss in curve)
                                       for name, curve in numbers["losses"].items() if name != "single"}
-    with open(os.path.join(args.out_dir, "figures.json"), "w") as f:
+    with open(saved, "w") as f:
         json.dump(numbers, f, indent=1)
     for name, row in numbers["comm_bytes"].items():
         formula = sum(b for _, _, b in row["terms"])
         print(f"{name:22} ours {row['ours'] / 2**20:7.3f} MiB, torch {row.get('torch', 0) / 2**20:7.3f} MiB, "
               f"formula {formula / 2**20:7.3f} MiB")
     for name, difference in numbers["max_loss_difference"].items():
-        print(f"{name:22} largest |loss - single's| over {args.steps} steps: {difference:.2e}")
+        print(f"{name:22} largest |loss - single's| over {len(reference)} steps: {difference:.2e}")
+    for name, row in (numbers.get("quick_start_summary") or {}).items():
+        at = ", ".join(f"{difference:.1e} at step {step}" for step, difference in row["difference_at"].items())
+        val_loss = "none" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
+        print(f"Quick start, {name:22} step {row['final_step']}: loss {row['loss']:.4f}, val loss {val_loss} | "
+              f"|loss - single's| {at}, the largest {row['largest_difference']:.1e} at step {row['at_step']}")
     print(f"wrote {', '.join(sorted(os.listdir(args.out_dir)))} into {args.out_dir}")
 
 

@@ -4,17 +4,24 @@ Pretrained weights in the Hugging Face format, for --init_from: GPT-2 (GPT2LMHea
 (model-0000k-of-0000N.safetensors, named tensor by tensor in model.safetensors.index.json), opened by their names and
 shapes alone: each rank maps only the files that hold its parts and reads only its rows. Hugging Face's names and
 layouts are mapped to gpt.py's. Imported only under --init_from (training.load_data, initial_values).
+
+Run as a script, it writes a GPT-2 of random weights in that format, a stand-in for `gpt2` where there is no network:
+
+    python hugging_face.py --out_dir gpt2-random                 # GPT-2 124M's shapes and vocabulary
+    python hugging_face.py --out_dir gpt2-tiny --n_layer 4 --n_head 4 --n_embd 128 --n_positions 256 --vocab_size 256
 """
 
+import argparse
 import json
 import os
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import gpt
-from prepare_data import UsageError
+from prepare_data import HelpFormatter, UsageError, positive_int
 
 # Hugging Face computes GPT-2's linear layers with Conv1D, which stores a weight as [in, out], the transpose of
 # nn.Linear's [out, in] (OpenAI's original TensorFlow layout), and packs q, k and v side by side along c_attn's output
@@ -224,3 +231,63 @@ def reader(name_or_path, config):
     """read(name, shape, box): parameter `name`'s initial value in box, from the checkpoint (training.initial_values)."""
     checkpoint = HuggingFaceCheckpoint(name_or_path)
     return lambda name, shape, box: read_hugging_face(name, box, config, checkpoint.read)
+
+
+def write_random_gpt2(folder, n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257, seed=0):
+    """config.json and model.safetensors of a GPT-2 with random weights, stored as Hugging Face's GPT2LMHeadModel
+    stores GPT-2: Conv1D weights [in, out], q|k|v side by side in c_attn, no LM head (tied to wte). Drawn as GPT-2
+    initialises them: weights N(0, 0.02), biases zero, layer norms' gains one."""
+    shapes = {"wte.weight": (vocab_size, n_embd), "wpe.weight": (n_positions, n_embd)}
+    for i in range(n_layer):
+        shapes.update({f"h.{i}.ln_1.weight": (n_embd,), f"h.{i}.attn.c_attn.weight": (n_embd, 3 * n_embd),
+                       f"h.{i}.attn.c_proj.weight": (n_embd, n_embd), f"h.{i}.ln_2.weight": (n_embd,),
+                       f"h.{i}.mlp.c_fc.weight": (n_embd, 4 * n_embd),
+                       f"h.{i}.mlp.c_proj.weight": (4 * n_embd, n_embd)})
+    shapes["ln_f.weight"] = (n_embd,)
+    shapes.update({name.replace("weight", "bias"): shape[-1:] for name, shape in list(shapes.items())
+                   if not name.startswith(("wte", "wpe"))})
+    generator = torch.Generator().manual_seed(seed)
+
+    def initial(name, shape):
+        if name.endswith("bias"):
+            return torch.zeros(shape)
+        if len(shape) == 1:  # a layer norm's gain
+            return torch.ones(shape)
+        return 0.02 * torch.randn(shape, generator=generator)
+
+    tensors = {name: initial(name, shape) for name, shape in shapes.items()}
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], activation_function="gelu_new",
+                  layer_norm_epsilon=1e-5, n_ctx=n_positions, n_positions=n_positions, n_embd=n_embd, n_head=n_head,
+                  n_layer=n_layer, vocab_size=vocab_size)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--out_dir", required=True, help="the folder to write config.json and model.safetensors into")
+    p.add_argument("--n_layer", type=positive_int, default=12, help="transformer blocks")
+    p.add_argument("--n_head", type=positive_int, default=12, help="attention heads; they divide --n_embd")
+    p.add_argument("--n_embd", type=positive_int, default=768, help="the residual stream's width")
+    p.add_argument("--n_positions", type=positive_int, default=1024, help="the longest context (--block_size)")
+    p.add_argument("--vocab_size", type=positive_int, default=50257, help="GPT-2's tokenizer (256: the byte one)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random weights")
+    args = p.parse_args(argv)
+    if args.n_embd % args.n_head:
+        raise UsageError(f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}: choose a --n_head that "
+                         "divides it")
+    write_random_gpt2(args.out_dir, args.n_layer, args.n_head, args.n_embd, args.n_positions, args.vocab_size,
+                      args.seed)
+    config = config_from_hugging_face(HuggingFaceCheckpoint(args.out_dir).config, args.n_positions, 0.0)
+    with torch.device("meta"):
+        parameters = gpt.GPT(config).num_params()
+    print(f"{args.out_dir}: a random GPT-2 of {parameters / 1e6:.2f}M parameters in the Hugging Face format "
+          f"(config.json, model.safetensors): pass --init_from {args.out_dir}")
+
+
+if __name__ == "__main__":
+    from prepare_data import run
+
+    run(main)  # a UsageError: one line, exit code 2

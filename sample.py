@@ -1,11 +1,13 @@
 """
-Sample from the latest checkpoint of a run of any layout (train_single, ddp, fsdp, tp or 2d: they share one
+Sample from the latest checkpoint of a run of any layout (train_single, ddp, fsdp, tp, 2d or pp: they share one
 checkpoint format), on one device, without training.
 
+    python sample.py                                  # the newest checkpoint under out/, of whichever script wrote it
     python sample.py --out_dir out/gpt2-finetuned --prompt "ROMEO:" --sample_tokens 200 --temperature 0.8 --top_k 40
 """
 
 import argparse
+import os
 from contextlib import nullcontext
 
 import torch
@@ -16,9 +18,21 @@ import prepare_data
 import training
 
 
+RUNS = "out"  # where the training scripts' --out_dir defaults put their runs
+
+
+def newest_run(runs=RUNS):
+    """The run folder under `runs` whose latest checkpoint was published last (its `latest` was written then)."""
+    folders = [os.path.join(runs, name) for name in os.listdir(runs)] if os.path.isdir(runs) else []
+    published = [(os.path.getmtime(os.path.join(folder, "latest")), folder) for folder in folders
+                 if os.path.isfile(os.path.join(folder, "latest"))]
+    return max(published)[1] if published else None
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out_dir", required=True, help="a training run's --out_dir: its latest checkpoint is read")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=training.HelpFormatter)
+    p.add_argument("--out_dir", help=f"a training run's --out_dir: its latest checkpoint is read (default: the run "
+                                     f"under {RUNS}/ that saved last)")
     p.add_argument("--data", default=None, help="prepared folder whose meta.json names the tokenizer (default: "
                                                 "the run's --data)")
     training.add_sampling_flags(p)
@@ -28,10 +42,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     training.check_sampling_flags(args)
 
-    path = checkpoint.latest(args.out_dir)
-    if path is None:
-        raise SystemExit(f"no checkpoint in {args.out_dir!r}: pass the --out_dir of a training run")
+    out_dir = args.out_dir or newest_run()
+    path = out_dir and checkpoint.latest(out_dir)
+    if not path:
+        where = f"in {args.out_dir!r}" if args.out_dir else f"under {RUNS + '/'!r}"
+        raise SystemExit(f"no checkpoint {where}: pass the --out_dir of a training run")
     saved = checkpoint.Checkpoint(path)
+    newest = "" if args.out_dir else f", the newest under {RUNS}/ (--out_dir chooses another run)"
+    print(f"checkpoint {path} (step {saved.meta['step']}){newest}")
     config = gpt.GPTConfig(**saved.meta["config"])
     meta = prepare_data.load_meta(args.data or saved.meta["args"]["data"])
     if meta["vocab_size"] != config.vocab_size:

@@ -964,8 +964,9 @@ def test_keep_checkpoints_keeps_the_newest(corpus, tmp_path):
 
 @one_thread()
 def test_resume_says_what_changed_and_when_nothing_is_left(corpus, tmp_path, capsys):
-    train_single.main(flags(corpus, tmp_path, max_steps=3))
-    metrics, _ = (tmp_path / "metrics.jsonl").read_text(), capsys.readouterr()
+    train_single.main(flags(corpus, tmp_path, max_steps=3, resume=True))  # nothing to resume yet: its first line says so
+    metrics, printed = (tmp_path / "metrics.jsonl").read_text(), capsys.readouterr().out
+    assert f"| from scratch (--resume: no checkpoint in '{tmp_path}' yet) |" in printed.splitlines()[0], printed
     code, printed = command_line(train_single.main, flags(corpus, tmp_path, max_steps=3, resume=True), capsys)
     assert code == 0 and printed == (f"nothing to do: '{tmp_path}/ckpt-0000003' is at step 3 and --max_steps is 3; "
                                      "pass a larger --max_steps to train further\n")
@@ -1537,16 +1538,23 @@ def test_figures_are_drawn_from_real_runs(corpus, tmp_path, monkeypatch, model):
     pytest.importorskip("matplotlib")
     import figures
 
-    monkeypatch.setattr(figures, "LOSS_RUNS", figures.LOSS_RUNS[:2])  # single and DDP: all five take minutes
+    monkeypatch.setattr(figures, "LOSS_RUNS", figures.LOSS_RUNS[:2])  # single and DDP: all six take minutes
     monkeypatch.setattr(figures, "COMM_STRATEGIES", ["ddp"])
     monkeypatch.setattr(figures, "COMM_IMPLS", ["ours"])
-    figures.main(["--model", model, "--steps", "3", "--block_size", "32", "--data", corpus, "--out_dir",
-                  str(tmp_path)])
-    pictures = {"losses.png", "comm_bytes.png", "pipeline.png"} | {f"layout_{strategy}.png" for strategy in figures.LAYOUTS}
-    assert pictures | {"figures.json"} <= set(os.listdir(tmp_path))
-    assert all((tmp_path / name).read_bytes()[:4] == b"\x89PNG" for name in pictures)
-    numbers = json.loads((tmp_path / "figures.json").read_text())
+    monkeypatch.setattr(figures, "QUICK_START", figures.QUICK_START[:2])  # the drift figure's runs, made here
+    runs = tmp_path / "quick_start"
+    train_single.main(flags(corpus, runs / "single", max_steps=3))
+    run_distributed(2, train_ddp.main, flags(corpus, runs / "ddp", max_steps=3))
+    figures.main(["--model", model, "--steps", "3", "--block_size", "32", "--data", corpus, "--out_dir", str(tmp_path / "figures"),
+                  "--quick_start", str(runs)])
+    pictures = {"losses.png", "comm_bytes.png", "pipeline.png", "drift.png"}
+    pictures |= {f"layout_{strategy}.png" for strategy in figures.LAYOUTS}
+    assert pictures | {"figures.json"} <= set(os.listdir(tmp_path / "figures"))
+    assert all((tmp_path / "figures" / name).read_bytes()[:4] == b"\x89PNG" for name in pictures)
+    numbers = json.loads((tmp_path / "figures" / "figures.json").read_text())
     assert len(numbers["losses"]["DDP"]) == 3 and numbers["max_loss_difference"]["DDP"] < 1e-5
+    drift = numbers["quick_start_summary"]["DDP"]
+    assert drift["final_step"] == 2 and drift["largest_difference"] < 1e-5 and drift["val_loss"] > 0
     ddp = numbers["comm_bytes"]["ddp"]
     assert ddp["ours"] == pytest.approx(sum(size for _, _, size in ddp["terms"]), rel=0.01)
     assert any(label.startswith("2-D + SP\ntp 8") for label in numbers["memory"]) == (model == "llama-tiny")
@@ -2781,21 +2789,32 @@ def test_every_layout_resumes_every_other(corpus, tmp_path, tmp_path_factory, sa
 
 
 @launches_its_own_ranks
-def test_sample_continues_a_prompt_from_any_layout_checkpoint(saved, capsys):
+def test_sample_continues_a_prompt_from_any_layout_checkpoint(saved, capsys, tmp_path, monkeypatch):
     """sample.py loads any layout's checkpoint whole onto one device and continues --prompt: the checkpoints each
-    layout saved at step 3 (equal weights within float32 noise) all give the text gpt.generate gives from single's."""
-    texts = {}
+    layout saved at step 3 (equal weights within float32 noise) all give the text gpt.generate gives from single's,
+    after a line naming the checkpoint and its step. Without --out_dir: the run under out/ that saved last."""
+    texts, argv = {}, ["--prompt", "def ", "--sample_tokens", "40", "--device", "cpu"]
     for layout, out_dir in saved.items():
-        sample.main(["--out_dir", str(out_dir), "--prompt", "def ", "--sample_tokens", "40", "--device", "cpu"])
+        sample.main(["--out_dir", str(out_dir), *argv])
         texts[layout] = capsys.readouterr().out
     found = checkpoint.Checkpoint(checkpoint.latest(str(saved["single"])))
     model = gpt.GPT(gpt.GPTConfig(**found.meta["config"]))
     model.init_weights(0, lambda name, shape: found.full(name))
     tokens = gpt.generate(model, torch.tensor([list(b"def ")]), 40, 32, 256, temperature=0.8, top_k=40, seed=1337)
     expected = "sample:\n" + prepare_data.ByteTokenizer().decode(tokens[0].tolist()) + "\n"
-    assert texts == {layout: expected for layout in saved}
+    assert texts == {layout: f"checkpoint {checkpoint.latest(str(saved[layout]))} (step 3)\n{expected}"
+                     for layout in saved}
     with pytest.raises(SystemExit, match="no checkpoint in"):
         sample.main(["--out_dir", str(saved["single"]) + "-missing"])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="no checkpoint under 'out/'"):
+        sample.main(argv)
+    for published, layout in enumerate(["tp", "2d", "single"]):  # published in this order: single's is the newest
+        shutil.copytree(saved[layout], tmp_path / "out" / layout)
+        os.utime(tmp_path / "out" / layout / "latest", (1e9 + published, 1e9 + published))
+    sample.main(argv)
+    assert capsys.readouterr().out == f"checkpoint out/single/ckpt-0000003 (step 3), the newest under out/ " \
+                                      f"(--out_dir chooses another run)\n{expected}"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -3551,7 +3570,7 @@ def test_sigterm_to_torchrun_saves_the_step_and_resume_is_bit_identical(corpus, 
     code, output, seconds = launch_with_fault(tmp_path, "sigterm_torchrun", argv)
     print(f"\nSIGTERM to torchrun at step {KILL_STEP}: torchrun exited {code} {seconds:.1f}s later")
     assert code != 0 and seconds < training.SIGTERM_GRACE_S, output[-5000:]
-    stopped = f"error: stopped on request (SIGTERM) after step {KILL_STEP + 1}"
+    stopped = f"error: stopped on request (SIGTERM) after step {KILL_STEP}, "  # the last step logged
     assert output.count(stopped) == 1, output[-5000:]
     assert output.count("Traceback") == 1 and output.count("SignalException") == 2, output[-5000:]  # torchrun's own
     assert checkpoint.latest(str(out_dir)).endswith(f"ckpt-{KILL_STEP + 1:07d}")
@@ -3698,7 +3717,58 @@ def test_quick_start_runs_in_the_readme_order(corpus, tmp_path):
         with launcher(tmp_path) as start:
             code, output, _ = start(*words, *SHORTER_RUN, via_torchrun=command.startswith("torchrun"), cwd=repo).wait()
         assert code == 0 and "from scratch" in output and "sample:" in output, f"{command}\n{output[-3000:]}"
+        # A healthy run's screen holds no warning, of Python's or torch's (e.g. a module hook that misfires)
+        assert not re.search(r"Warning\b|\[W\d{4}", output), f"{command}\n{output[-3000:]}"
+        if "train_pp.py" in command:  # the global batch of 8 pipelines as 4 micro-batches of 2: 2 x --pp
+            assert "micro batch 2 x 4 accumulation" in output and "bubble (p - 1) / (m + p - 1) = 0.20" in output
     assert sorted(os.listdir(repo / "out")) == ["2d", "ddp", "fsdp", "llama-tiny", "pp", "single", "tp"]
+
+
+WALKTHROUGH_SHORTER = {  # how a walkthrough's command starts -> flags appended that only make it smaller
+    "python prepare_data.py": ["--num_proc", "1"],
+    "python hugging_face.py": ["--n_layer", "2", "--n_head", "2", "--n_embd", "64"],
+    "torchrun": ["--max_steps", "1", "--eval_iters", "1"],
+    "python sample.py": ["--sample_tokens", "8"],
+}
+
+
+def walkthrough(section):
+    """The bash blocks of a README or docs/ section as one script, a command a line, with WALKTHROUGH_SHORTER's flags
+    appended to the commands that write a model, train or sample (after any comment is cut)."""
+    script = "".join(re.findall(r"```bash\n(.*?)```", readme_section(section), re.S)).replace("\\\n", " ")
+    lines = []
+    for line in script.splitlines():
+        shorter = next((flags for start, flags in WALKTHROUGH_SHORTER.items() if line.startswith(start)), None)
+        lines.append(line if shorter is None else " ".join([line.split(" #")[0].rstrip(), *shorter]))
+    return "\n".join(lines)
+
+
+@launches_its_own_ranks
+def test_fine_tuning_walkthroughs_run_as_written(corpus, tmp_path):
+    """The README's CPU fine-tuning walkthrough, then docs/fine-tuning.md's loading measurement, each as one bash
+    script of its text's commands, in a fresh copy of the project's files: the walkthrough makes its own text folder
+    and its GPT-2 with the project's own script (hugging_face.py), at a few steps and a smaller model."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in os.listdir(HERE):
+        if name.endswith(".py") and name != "test_parallel.py":  # a user's copy need not hold the tests
+            shutil.copy(os.path.join(HERE, name), repo)
+    (repo / "data").mkdir()
+    (repo / "data" / "default").symlink_to(corpus)  # the loading measurement trains on the default corpus
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    outputs = {}
+    for section in ["On CPU, offline: fine-tune on a local text folder, then sample", "What loading costs"]:
+        script = walkthrough(section)
+        done = subprocess.run(["bash", "-e", "-c", script], cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=LAUNCH_TIMEOUT_S)
+        outputs[section] = done.stdout + done.stderr
+        assert done.returncode == 0, f"{script}\n{outputs[section][-5000:]}"
+    walked = outputs["On CPU, offline: fine-tune on a local text folder, then sample"]
+    assert len(list((repo / "texts").glob("*.py"))) > 10 and (repo / "gpt2-tiny" / "model.safetensors").exists()
+    assert "from gpt2-tiny's weights" in walked and "step     0 |" in walked, walked[-3000:]
+    assert "checkpoint out/finetune/ckpt-0000001 (step 1)\nsample:\ndef " in walked, walked[-3000:]
+    measured = outputs["What loading costs"]
+    assert "pieces of 1/8 of a parameter" in measured and "from gpt2-bytes's weights" in measured, measured[-3000:]
 
 
 def test_the_quick_start_figures_are_of_the_default_run():
@@ -3760,8 +3830,8 @@ def test_bad_launch_is_one_line_from_one_rank(corpus, tmp_path, ranks, script, b
     if ranks == 1:
         assert (code, output) == (2, ours[0] + "\n")
     else:
-        root_cause = output.split("Root Cause")[-1]
-        assert "rank      : 0 (local_rank: 0)" in root_cause and "exitcode  : 2" in root_cause, output
+        root_cause = output.split("Root Cause")[-1]  # torchrun's summary, after its traceback; torchrun exits 1
+        assert code == 1 and "rank      : 0 (local_rank: 0)" in root_cause and "exitcode  : 2" in root_cause, output
         assert f"traceback : {ours[0]}" in root_cause, output
     assert not os.path.exists(out_dir) and not running_with(str(out_dir))
 
@@ -4259,14 +4329,15 @@ STOPPED_BY_SIGNAL = dict(WITH_DROPOUT, pp=(train_pp.main, 2, dict(pp=2, schedule
 def test_a_stop_signal_saves_the_step_and_resume_is_bit_identical(corpus, tmp_path_factory, shared_tmp, layout, name):
     """SIGTERM (or SIGUSR1) to rank 1 alone at step 3: every rank finishes the step, they agree on it (one rank's
     request is enough), save step 4's checkpoint (the interval is 100) and stop with the exit code that says
-    "resumable", each naming step 4 and the signalled rank its signal, SIGTERM's deadline cancelled; --resume then
-    ends bit-identical to the run that was never stopped, dropout masks included."""
+    "resumable", each naming step 3 (the last it ran) and the signalled rank its signal, SIGTERM's deadline
+    cancelled; --resume then ends bit-identical to the run that was never stopped, dropout masks included."""
     main, ranks, extra = STOPPED_BY_SIGNAL[layout]
     argv = flags(corpus, shared_tmp, dropout=DROPOUT, ckpt_interval=100, **extra)
     stopped = run_distributed(ranks, _stopped_by_signal, main, argv, signal.Signals[name])
     assert None not in stopped, f"ranks {[rank for rank, outcome in enumerate(stopped) if outcome is None]} ran on"
     for rank, (code, message, deadline_left) in enumerate(stopped):
-        assert code == training.PREEMPTED_EXIT_CODE and "after step 4" in message, message
+        assert code == training.PREEMPTED_EXIT_CODE and "after step 3," in message, message  # the last step it ran
+        assert message.endswith("--resume goes on at step 4"), message
         assert (f"({name})" in message) == (rank == 1), message
         assert deadline_left == 0, "the stop left SIGTERM's deadline armed"
     assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000004")
@@ -4599,6 +4670,14 @@ def test_pipeline_bad_layout_is_refused_on_every_rank_before_any_collective(corp
                                                                              overrides, message):
     errors = run_distributed(world_size, _pp_refused, flags(corpus, tmp_path, **overrides))
     assert all(error and message in error for error in errors), errors
+
+
+def test_pipeline_splits_the_global_batch_into_enough_micro_batches_by_default():
+    """With no --micro_batch, train_pp.py gives each replica's rows to 2 x --pp micro-batches or more, as few as that
+    allows (the largest micro-batch); a replica with fewer rows runs one a micro-batch; one stage splits nothing."""
+    chosen = {(rows, stages): train_pp.pipelined_micro_batch(rows, stages)
+              for rows, stages in [(16, 2), (8, 2), (16, 4), (12, 2), (15, 2), (3, 2), (16, 1)]}
+    assert chosen == {(16, 2): 4, (8, 2): 2, (16, 4): 2, (12, 2): 3, (15, 2): 3, (3, 2): 1, (16, 1): 16}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

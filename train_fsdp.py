@@ -155,7 +155,6 @@ class FullyShardedDataParallel(nn.Module):
         for index, unit in enumerate(unit_modules(module, units)):
             unit.register_forward_pre_hook(partial(self._before_forward, index))
             unit.register_forward_hook(partial(self._after_forward, index))
-            unit.register_full_backward_pre_hook(partial(self._before_backward, index))  # its outputs' gradients are in
         self.in_flight = None  # the latest reduce-scatter, finished when the next one starts
 
     def forward(self, *args, **kwargs):
@@ -186,8 +185,14 @@ class FullyShardedDataParallel(nn.Module):
         if not torch.is_grad_enabled() or (self.reshard_after_forward and index != 0):  # the root stays for backward
             for flat in self.units[index]:
                 flat.free()
+        # The unit's backward begins once the first of its outputs' gradients is in: hooked on those tensors, as FSDP2
+        # does (a module's full backward pre-hook would warn on the root, whose input, token ids, needs no gradient).
+        outputs = [out for out in (output if isinstance(output, (tuple, list)) else [output])
+                   if isinstance(out, torch.Tensor) and out.requires_grad]
+        if outputs:
+            torch.autograd.graph.register_multi_grad_hook(outputs, partial(self._before_backward, index), mode="any")
 
-    def _before_backward(self, index, module, grad_output):
+    def _before_backward(self, index, grad):
         if index == 0:  # the root's outputs' gradients come first: backward has begun
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         self.gather(index, -1)

@@ -4,7 +4,7 @@ micro-batch's activations travel forward from stage to stage and their gradients
 order of a schedule: GPipe or 1F1B. --dp replicas of the whole pipeline train on their own rows of the global batch;
 each stage's gradients are averaged over its replicas by train_ddp.py's DataParallel.
 
-    torchrun --standalone --nproc_per_node=2 train_pp.py                          # 2 stages, 1F1B, tiny model
+    torchrun --standalone --nproc_per_node=2 train_pp.py                          # 2 stages, 1F1B, 4 micro-batches of 4
     torchrun --standalone --nproc_per_node=4 train_pp.py --pp 2 --dp 2 --schedule gpipe
     torchrun --standalone --nproc_per_node=2 train_pp.py --impl torch             # torch.distributed.pipelining
 
@@ -204,6 +204,15 @@ def clip_grad_norm_(stage, max_norm, group):
     return norm
 
 
+def pipelined_micro_batch(rows, num_stages):
+    """--micro_batch by default: the largest that splits a replica's `rows` into 2 x num_stages micro-batches or more,
+    so that the schedule has work to overlap (idle (p - 1) / (m + p - 1) of a step: a third at most, where one
+    micro-batch would idle (p - 1) / p). 1 if the rows are fewer; all of them on one stage, which idles never."""
+    if num_stages == 1:
+        return rows
+    return max((size for size in range(1, rows + 1) if rows % size == 0 and rows // size >= 2 * num_stages), default=1)
+
+
 def new_groups(pp, dp):
     """This rank's (pipeline group, data-parallel group, embedding group or None). dist.new_group is collective:
     every rank creates every group, in the same order, and keeps the ones it belongs to."""
@@ -224,7 +233,8 @@ def main(argv=None):
     parser = training.get_parser(__doc__, "pp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="torch: torch.distributed.pipelining's PipelineStage and schedules, with DDP")
-    parser.add_argument("--pp", type=training.positive_int, default=2, help="pipeline stages, at most the layers")
+    parser.add_argument("--pp", type=training.positive_int, default=2, help="pipeline stages, at most the layers; "
+                        "without --micro_batch, the global batch runs as 2 x --pp micro-batches or more")
     parser.add_argument("--dp", type=training.positive_int, help="replicas of the pipeline (default: world / --pp)")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"],
                         help="gpipe: every forward, then every backward; 1f1b: one forward, one backward in turn")
@@ -238,6 +248,8 @@ def main(argv=None):
             f"choose --pp and --dp whose product is {world_size}"
         raise training.UsageError(f"--pp {pp} x --dp {dp} = {pp * dp} ranks, but the world has {world_size}: {launch}")
     stage_index, dp_rank, dp_size = rank // dp, rank % dp, dp
+    if args.micro_batch is None and args.global_batch % dp == 0:  # else training.load_data says what to change
+        args.micro_batch = pipelined_micro_batch(args.global_batch // dp, pp)
     if args.plan:  # the memory the fullest stage needs in this layout, and nothing else: no device, data or model
         import plan
         return plan.print_plan(args, world_size, dp_size, layers=stage_layers, schedule=schedule)
@@ -277,8 +289,12 @@ def main(argv=None):
     start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
     blocks = [len(stage_layers(config.n_layer, pp, s)) for s in range(pp)]
+    m = train_data.accumulation  # the micro-batches of a step, which the schedule overlaps
+    bubble = f"{m} micro-batches a step: bubble (p - 1) / (m + p - 1) = {(pp - 1) / (m + pp - 1):.2f}"
+    if 1 < pp and m < 2 * pp:
+        bubble += f" (under 2 x {pp} micro-batches: a smaller --micro_batch or a larger --global_batch shrinks it)"
     logger.print(f"pipeline: {pp} stages x {dp} data-parallel | {args.schedule} ({args.impl}) | blocks by stage "
-                 f"{blocks}")
+                 f"{blocks} | {bubble}")
     logger.start(train_data, dp_size, start_step)
 
     # ---- loop

@@ -53,7 +53,7 @@ def get_parser(description, strategy="single"):
     add("--seed", type=int, default=1337, help="seeds the initial weights, the batches and sampling")
     add = p.add_argument_group("batch and schedule").add_argument
     add("--global_batch", type=positive_int, default=16, help="sequences per optimizer step")
-    add("--micro_batch", type=positive_int, help="sequences per rank per micro-step (default: no accumulation)")
+    add("--micro_batch", type=positive_int, help="sequences per rank per micro-step (default: 1 micro-step, PP 2 x pp)")
     add("--max_steps", type=positive_int, default=1000, help="optimizer steps of the whole run")
     add("--lr", type=non_negative, default=3e-3, help="peak learning rate, reached after the warmup")
     add("--min_lr", type=non_negative, default=3e-4, help="learning rate at --max_steps (cosine)")
@@ -227,8 +227,7 @@ def launched_rank(args=None):
 
 def get_device(args, local_rank=0):
     """--device (auto: CUDA if there is one) and --tf32, off by default: it moves float32 far past reduction noise."""
-    torch.backends.cuda.matmul.allow_tf32 = getattr(args, "tf32", False)
-    torch.backends.cudnn.allow_tf32 = getattr(args, "tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = getattr(args, "tf32", False)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is visible; use --device cpu")
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
@@ -316,11 +315,11 @@ class StopRequest:
         diverged, stopping = flags.tolist()  # the host waits here for the step's backward, once
         return diverged > 0, stopping > 0
 
-    def stop(self, step, out_dir):
+    def stop(self, saved_step, out_dir):
         signal.alarm(0)  # saved: nothing left for the deadline to guard
         received = " and ".join(sorted(self.received)) or "a signal to another rank"
-        raise Stopped(f"stopped on request ({received}) after step {step}, saved in {out_dir!r}: the same command "
-                      "with --resume goes on from there", PREEMPTED_EXIT_CODE)
+        raise Stopped(f"stopped on request ({received}) after step {saved_step - 1}, saved in {out_dir!r}: the same "
+                      f"command with --resume goes on at step {saved_step}", PREEMPTED_EXIT_CODE)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -550,6 +549,7 @@ class Logger:
     def start(self, sampler, dp_size, start_step, layout=""):
         args = self.args
         origin = "from scratch" if not args.init_from else f"from {args.init_from}'s weights"
+        origin += f" (--resume: no checkpoint in {args.out_dir!r} yet)" if args.resume else ""  # nothing to resume
         self.print(f"{args.init_from or args.model or 'tiny'}: {self.num_params / 1e6:.2f}M parameters | "
                    f"{self.world_size} rank{'s' * (self.world_size > 1)} on {self.device} | {layout}global batch "
                    f"{args.global_batch} = micro batch {sampler.micro_batch} x {sampler.accumulation} accumulation x "
