@@ -5115,7 +5115,7 @@ def _llama_gradient_errors(sequence_parallel, loss_parallel):
     model(idx, targets).backward()
     parts = checkpoint.parameter_parts(model)
     if sequence_parallel:
-        train_tp.allreduce_replicated_grads(parts, dist.group.WORLD)
+        train_tp.allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD)
     errors = {}
     for part in parts:
         expected = full[part.name].grad[tuple(slice(*box) for box in part.box)]
