@@ -169,12 +169,20 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
         if rope is not None:  # Llama: positions enter as rotations of q and k, so scores depend on distance only
             q, k = rotate(q, rope), rotate(k, rope)
+        y = self.attend(q, k, v)
+        return self.resid_dropout(self.proj(y.reshape(B, T, -1)))
+
+    def attend(self, q, k, v):
+        """Causal attention of q [B, T, n_head, head_dim] to k and v [B, T, n_kv_head, head_dim] -> [B, T, n_head,
+        head_dim]. A method of its own so that a strategy can replace it (train_cp.py's attention over other ranks'
+        keys and values)."""
+        T = q.shape[1]
         if self.training and self.attn_dropout.p > 0:
             # nanoGPT's explicit attention: attn_dropout, a module a strategy can replace, sees the [B, heads, T, T]
             # probabilities, which backward keeps (the fused kernels below would draw their masks inside)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))  # each KV head's queries
-            causal = torch.full((T, T), -math.inf, device=x.device).triu(1)  # no position sees a later one
+            causal = torch.full((T, T), -math.inf, device=q.device).triu(1)  # no position sees a later one
             att = F.softmax(q @ k.transpose(-2, -1) * self.head_dim**-0.5 + causal, dim=-1)
             y = (self.attn_dropout(att) @ v).transpose(1, 2)
         elif self.use_flash:  # flash-attn shares each key/value head among its query heads itself
@@ -183,7 +191,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
             y = y.transpose(1, 2)
-        return self.resid_dropout(self.proj(y.reshape(B, T, -1)))
+        return y
 
 
 class MLP(nn.Module):
