@@ -58,6 +58,7 @@ import plan  # noqa: E402
 import train_2d  # noqa: E402
 import prepare_data  # noqa: E402
 import sample  # noqa: E402
+import train_cp  # noqa: E402
 import train_ddp  # noqa: E402
 import train_fsdp  # noqa: E402
 import train_pp  # noqa: E402
@@ -5601,3 +5602,141 @@ def test_resume_under_another_layout_keeps_tensor_parallel_peers_alike(corpus, s
         assert all(np.array_equal(value, peer_replicated[name]) for name, value in replicated.items()), rank
     if ranks > tp:
         assert not set(ranks_seen[0][0]) & set(ranks_seen[tp][0])  # data-parallel ranks: other rows, other masks
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ---- train_cp.py: context parallel, head-tail chunks, all-gather or ring attention, composed with data parallel
+
+CP_BLOCK_SIZE = 64  # 8 tokens a chunk at --cp 4: every chunk pair, on and off the diagonal, holds several tokens
+_cp_runs = {}
+
+
+def cp_run(corpus, tmp_path_factory, ranks, **overrides):
+    """train_cp.py on `ranks` ranks at CP_BLOCK_SIZE, once per distinct flags per session: read_run's result."""
+    key = (ranks, tuple(sorted(overrides.items())))
+    if key not in _cp_runs:
+        out_dir = shared_folder(tmp_path_factory, "cp")
+        argv = flags(corpus, out_dir, **{"block_size": CP_BLOCK_SIZE, **overrides})
+        run_distributed(ranks, train_cp.main, argv)
+        _cp_runs[key] = read_run(str(out_dir))
+    return _cp_runs[key]
+
+
+@pytest.mark.parametrize("cp_impl, model, cp, dp", [("allgather", "tiny", 2, 1), ("ring", "tiny", 4, 1),
+                                                    ("ring", "llama-tiny", 2, 2), ("allgather", "llama-tiny", 4, 1)])
+def test_cp_matches_single(corpus, tmp_path_factory, cp_impl, model, cp, dp):
+    """6 steps of 16 sequences of 64 tokens, accumulation 8 (4 with --dp 2), clipping active: each method on GPT-2's
+    learned positions and Llama's rotary angles (grouped-query attention: 2 KV heads of 4), on 2 and 4
+    context-parallel ranks and composed with 2 data-parallel ones, computes what one device computes."""
+    run = cp_run(corpus, tmp_path_factory, cp * dp, model=model, cp=cp, dp=dp, cp_impl=cp_impl)
+    assert_runs_match(run, single_run(corpus, tmp_path_factory, model=model, block_size=CP_BLOCK_SIZE))
+
+
+def _cp_attention_against_one_device(cp_impl):
+    """Random q, k, v of 2 sequences of 32 tokens (4 query heads, 2 KV heads), alike on every rank: this rank's
+    chunks through train_cp's attention, against gpt.py's causal attention over the whole sequences. Returns (max
+    difference of the outputs, of the gradients of q, k and v on this rank's tokens; the query-key pairs whose scores
+    this rank computed)."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 32, heads, 8, generator=generator, requires_grad=True) for heads in (4, 2, 2))
+    grad_out = torch.randn(2, 32, 4, 8, generator=generator)
+    reference = gpt.CausalSelfAttention(gpt.make_config("llama-tiny", 256, 32)).attend(q, k, v)
+    expected = torch.autograd.grad(reference, (q, k, v), grad_out)
+    pos = train_cp.chunk_positions(rank, cp, 32 // (2 * cp))
+    local = [t.detach()[:, pos].requires_grad_() for t in (q, k, v)]
+    pairs, real_block_attention = [], train_cp.block_attention
+
+    def block_attention(q, k, v, diagonal):
+        pairs.append(q.shape[-2] * (k.shape[-2] + 1) // 2 if diagonal else q.shape[-2] * k.shape[-2])
+        return real_block_attention(q, k, v, diagonal)
+
+    train_cp.block_attention = block_attention
+    try:
+        attention = train_cp.allgather_attention if cp_impl == "allgather" else train_cp.ring_attention
+        y = attention(*local, dist.group.WORLD)
+        grads = torch.autograd.grad(y, local, grad_out[:, pos])
+    finally:
+        train_cp.block_attention = real_block_attention
+    differences = [(y - reference[:, pos]).abs().max().item()]
+    differences += [(grad - full[:, pos]).abs().max().item() for grad, full in zip(grads, expected)]
+    return differences, sum(pairs)
+
+
+@pytest.mark.parametrize("cp_impl", ["allgather", "ring"])
+def test_cp_attention_equals_one_device_and_balances_the_work(cp_impl):
+    """On 4 ranks, each method's output and the gradients of q, k and v (dK and dV summed over every rank's queries,
+    back on the rank that holds them) equal one device's on this rank's tokens. The ring computes only the chunk pairs
+    the causal mask does not wholly hide, and under head-tail chunks every rank computes the same number of visible
+    query-key pairs: 1/4 of one device's 32·33/2, a sequence and a head."""
+    ranks = run_distributed(4, _cp_attention_against_one_device, cp_impl)
+    for rank, (differences, _) in enumerate(ranks):
+        assert max(differences) < 1e-5, f"rank {rank}: output, dq, dk, dv differ by {differences}"
+    if cp_impl == "ring":
+        work = [pairs for _, pairs in ranks]
+        assert work == [32 * 33 // 2 // 4] * 4, work
+
+
+def _cp_refused(argv):
+    """train_cp.main's refusal on this rank, which must come before its first collective."""
+    real = dist.all_gather_object  # init_distributed's fingerprint check: the first collective of a run
+    dist.all_gather_object = lambda *args, **kwargs: pytest.fail("a collective before the refusal")
+    try:
+        train_cp.main(argv)
+    except training.UsageError as error:
+        return str(error)
+    finally:
+        dist.all_gather_object = real
+
+
+@pytest.mark.parametrize("world_size, overrides, message", [
+    (2, dict(cp=2, block_size=30), "--block_size 30 does not split into 2 x --cp 2 = 4 equal chunks: choose a "
+                                   "multiple of 4"),
+    (2, dict(cp=2, dp=2), "--cp 2 x --dp 2 = 4 ranks, but the world has 2: choose --cp and --dp"),
+    (2, dict(cp=2, dropout=0.1), "--dropout 0.1 with --cp 2: one device's attention-dropout masks cannot be drawn"),
+])
+def test_cp_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path, world_size, overrides,
+                                                                      message):
+    errors = run_distributed(world_size, _cp_refused, flags(corpus, tmp_path, **overrides))
+    assert all(error and message in error for error in errors), errors
+
+
+def _cp_compiled(argv):
+    """train_cp.main(argv) with torch.compile on Dynamo's eager backend (it traces and guards as for inductor)."""
+    real_compile = torch.compile
+    torch.compile = functools.partial(real_compile, backend="eager")
+    torch._dynamo.reset()
+    try:
+        train_cp.main(argv)
+    finally:
+        torch.compile = real_compile
+
+
+def test_cp_activation_checkpointing_compile_and_bfloat16(corpus, shared_tmp, tmp_path_factory):
+    """The ring under --activation_checkpointing (its forward, collectives and all, runs again in backward) and
+    --compile (the attention core left out of each block's graph) equals one device in float32; the all-gather in
+    bf16 autocast (chunks of 8 tokens) is within BF16_TOLERANCE of single's bf16 losses."""
+    argv = flags(corpus, shared_tmp, block_size=CP_BLOCK_SIZE, cp_impl="ring", activation_checkpointing=True,
+                 compile=True)
+    run_distributed(2, _cp_compiled, argv, timeout_s=COMPILE_TIMEOUT_S)
+    reference = single_run(corpus, tmp_path_factory, model="tiny", block_size=CP_BLOCK_SIZE)
+    assert_runs_match(read_run(str(shared_tmp)), reference)
+    bf16 = cp_run(corpus, tmp_path_factory, 2, block_size=32, dtype="bfloat16", max_steps=3).losses
+    expected = single_run(corpus, tmp_path_factory, dtype="bfloat16", max_steps=3).losses  # the pipeline's too
+    assert len(bf16) == 3 and max(abs(a - b) / b for a, b in zip(bf16, expected)) < BF16_TOLERANCE
+
+
+@launches_its_own_ranks  # 2, 4 and 1 ranks in turn
+def test_cp_resumes_from_and_into_other_layouts(corpus, shared_tmp, tmp_path_factory):
+    """One run of 6 steps, checkpointed every 2: DDP on 2 ranks crashes at step 3; the ring on 4 context-parallel
+    ranks resumes from step 2 and crashes at step 5; one device resumes from step 4 and finishes: train_single's 6
+    steps. Every layout writes and reads the one format."""
+    argv = lambda **layout: flags(corpus, shared_tmp, ckpt_interval=2, block_size=CP_BLOCK_SIZE, **layout)  # noqa
+    assert run_distributed(2, _train_until, train_ddp.main, 3, argv()) == ["crashed"] * 2
+    assert run_distributed(4, _train_until, train_cp.main, 5, argv(cp=4, cp_impl="ring", resume=True)) == \
+        ["crashed"] * 4
+    with one_thread():
+        train_single.main(argv(resume=True))
+    assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000006")
+    reference = single_run(corpus, tmp_path_factory, model="tiny", block_size=CP_BLOCK_SIZE)
+    assert_runs_match(read_run(str(shared_tmp)), reference)
