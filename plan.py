@@ -24,7 +24,7 @@ import training
 
 
 class Layout(NamedTuple):
-    strategy: str  # single, ddp, zero, fsdp, tp, 2d, pp
+    strategy: str  # single, ddp, zero, fsdp, tp, 2d, pp, cp
     world_size: int
     dp: int  # data-parallel degree: FSDP's shard count in 2d, and in fsdp times `replicate`
     tp: int  # tensor-parallel degree
@@ -41,16 +41,20 @@ class Layout(NamedTuple):
     stage: int = 1  # zero: 1 shards AdamW's moments, 2 the averaged gradient too
     replicate: int = 1  # fsdp: HSDP's copies of the shard groups (each of dp / replicate ranks)
     bucket_mb: float = 25  # ddp and zero: the largest gradient bucket, in MiB
+    cp: int = 1  # cp: context-parallel ranks, each holding s / cp tokens of every sequence (the ranks are cp x dp)
+    cp_impl: str = "allgather"  # cp: how attention reaches the other ranks' keys and values (allgather, ring)
 
 
 def layout_of(args, world_size, dp_size, micro_batch, device):
     """The Layout a script's flags describe on world_size ranks, dp_size of them data-parallel, on device (a type)."""
     pp = getattr(args, "pp", 1)
-    return Layout(args.strategy, world_size, dp_size, world_size // (dp_size * pp), micro_batch, args.dtype,
+    cp = world_size // dp_size if args.strategy == "cp" else 1
+    return Layout(args.strategy, world_size, dp_size, world_size // (dp_size * pp * cp), micro_batch, args.dtype,
                   getattr(args, "sequence_parallel", False), not getattr(args, "no_loss_parallel", False),
                   args.activation_checkpointing, not getattr(args, "no_reshard", False), device, pp,
                   getattr(args, "schedule", "1f1b"), args.global_batch // (micro_batch * dp_size),
-                  getattr(args, "stage", 1), getattr(args, "replicate", 1), getattr(args, "bucket_mb", 25))
+                  getattr(args, "stage", 1), getattr(args, "replicate", 1), getattr(args, "bucket_mb", 25), cp,
+                  getattr(args, "cp_impl", "allgather"))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -200,7 +204,10 @@ def activation_plan(config, layout):
 def plan_memory(config, layout, sliced=None, units=None, buckets=None):
     """[(item, bytes)] one rank holds at its peak in this layout: what lives all run, one micro-batch's saved
     activations, and what exists at once during a step (gathered units, logits and their gradient). sliced, units and
-    buckets: the strategies' own functions, for layouts with tensor parallelism, FSDP and ZeRO."""
+    buckets: the strategies' own functions, for layouts with tensor parallelism, FSDP and ZeRO. Context parallelism
+    holds the activations of s / cp tokens (context_parallel_plan)."""
+    if layout.cp > 1:
+        return context_parallel_plan(config, layout)
     params, tensors, unit, root, cast = parameter_plan(config, layout, sliced, units)
     activations, recompute = activation_plan(config, layout)
     e = 2 if layout.dtype == "bfloat16" else 4
@@ -228,6 +235,44 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
                      4 * unit + (2 * unit if e == 2 else 0)))
     rows.append(("logits and their gradient", logits * (e + 4)))
     return rows
+
+
+def context_parallel_plan(config, layout):
+    """[(item, bytes)] of one rank of train_cp.py: the whole model as under DDP, and the activations and logits of its
+    s / cp tokens of every sequence, as one device holds them for a sequence that short. What attention adds: the
+    all-gather saves every rank's keys and values, 2·b·s·kv a layer in the compute dtype (its own among them), and
+    the mask of which key each query sees; the ring saves only its own, and its output in float32 to merge into."""
+    s, b, L, kv = config.block_size, layout.micro_batch, config.n_layer, config.n_kv_head * config.head_dim
+    e = 2 if layout.dtype == "bfloat16" else 4
+    local = replace(config, block_size=s // layout.cp)
+    rows = plan_memory(local, layout._replace(strategy="ddp", cp=1))
+    if layout.cp_impl == "allgather":
+        added = ("keys and values of every rank, gathered (all-gather)", L * 2 * b * (s - s // layout.cp)
+                 * kv * e + L * s * s // layout.cp)  # and the boolean mask, s / cp queries x s keys
+    else:
+        added = ("ring attention's float32 output, merged into", L * b * s // layout.cp * config.n_embd * 4
+                 if e == 2 else 0)  # float32: the output itself
+    checkpointed = layout.activation_checkpointing
+    return rows + [(added[0] + ", one block" * checkpointed, added[1] // (L if checkpointed else 1))]
+
+
+def context_parallel_terms(config, tokens, steps, compute, cp, cp_impl, backend):
+    """[Term] of attention over cp ranks, `tokens` of this rank's a micro-step (b·s/cp), `steps` micro-steps: each
+    layer's keys and values (2·tokens·kv elements, the KV heads only) travel forward and their gradients backward.
+    allgather: one all-gather forward and one reduce-scatter backward a layer, (cp-1) blocks each way; ring: cp-1
+    point-to-point sends of the block forward, and backward the block again and its dK/dV partial sums, cp-1 each."""
+    L, block = config.n_layer, 2 * tokens * config.n_kv_head * config.head_dim * compute
+    if cp_impl == "allgather":
+        return [Term("keys and values, forward (all-gather)", "all_gather", "cp", steps * L,
+                     steps * L * wire_bytes("all_gather", block, cp)),
+                Term("their gradients, backward (reduce-scatter: each rank's sum)", "reduce_scatter", "cp", steps * L,
+                     steps * L * sent("reduce_scatter", cp * block, cp, backend))]
+    return [Term("keys and values around the ring, forward", "send", "cp", steps * L * (cp - 1),
+                 steps * L * (cp - 1) * block),
+            Term("keys and values around the ring again, backward", "send", "cp", steps * L * (cp - 1),
+                 steps * L * (cp - 1) * block),
+            Term("their dK/dV partial sums, back to the owner", "send", "cp", steps * L * (cp - 1),
+                 steps * L * (cp - 1) * block)]
 
 
 def stage_plan(config, layout, stage, layers, schedule):
@@ -286,9 +331,9 @@ def pipeline_plan(config, layout, layers, schedule):
 
 def wire_bytes(kind, payload, n):
     """Bytes one rank sends in a ring implementation: all-reduce 2(N-1)/N of the tensor, all-gather (N-1)x its
-    input shard, reduce-scatter and all-to-all (N-1)/N of their input, broadcast, reduce and point-to-point the
-    tensor, a barrier nothing worth counting."""
-    if n == 1 or kind == "barrier":
+    input shard, reduce-scatter and all-to-all (N-1)/N of their input, broadcast, reduce and a send the tensor, a
+    receive and a barrier nothing."""
+    if n == 1 or kind in ("barrier", "recv"):
         return 0
     factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "reduce_scatter": (n - 1) / n,
                "all_to_all": (n - 1) / n}
@@ -385,23 +430,27 @@ def zero_terms(config, steps, dp, backend, stage, bucket_mb, buckets):
 
 def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float32", backend="gloo", tp=1, dp=1,
                  sequence_parallel=False, loss_parallel=True, reshard=True, bucket_mb=25, sliced=None, units=None,
-                 buckets=None, stage=1, replicate=1):
+                 buckets=None, stage=1, replicate=1, cp=1, cp_impl="allgather"):
     """[Term]: every collective one optimizer step of `strategy` (ddp, zero, fsdp, tp, 2d) runs on one rank, with the
     bytes that rank sends (ring algorithms, on `backend`), over `dp` data-parallel and `tp` tensor-parallel ranks
     (zero: ZeRO's `stage`; fsdp: HSDP's `replicate` copies of dp / replicate shards). The broadcast that makes DDP's
     replicas equal and the fingerprint check run once at start, not per step. sliced, units and buckets: the
-    strategies' own functions (train_tp.is_sliced, train_fsdp.flat_parameter_groups, train_ddp.assign_buckets)."""
+    strategies' own functions (train_tp.is_sliced, train_fsdp.flat_parameter_groups, train_ddp.assign_buckets). cp:
+    `cp` context-parallel ranks a data-parallel rank (cp_impl: allgather or ring), gradients averaged over all."""
     micro_batch = micro_batch or global_batch // dp
     steps = global_batch // (micro_batch * dp)  # micro-steps an optimizer step
     compute = 2 if dtype == "bfloat16" else 4
     terms = []
-    if strategy == "ddp":
+    if strategy in ("ddp", "cp"):
         if buckets is None:
             raise ValueError("a DDP layout needs the strategy's own buckets: pass buckets=train_ddp.assign_buckets")
         named = list(model_on_meta(config).named_parameters())
         gradient_bytes = 4 * sum(local_sizes(config).values())
         terms.append(Term("gradient buckets, during the last micro-step's backward", "all_reduce", "dp",
-                          len(buckets(named, bucket_mb)), sent("all_reduce", gradient_bytes, dp, backend)))
+                          len(buckets(named, bucket_mb)), sent("all_reduce", gradient_bytes, dp * cp, backend)))
+    if strategy == "cp":
+        terms += context_parallel_terms(config, micro_batch * config.block_size // cp, steps, compute, cp, cp_impl,
+                                        backend)
     if strategy in ("tp", "2d"):
         terms += tensor_parallel_terms(config, micro_batch * config.block_size, steps, compute, tp, backend,
                                        sequence_parallel, loss_parallel)
@@ -417,11 +466,11 @@ def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float3
     if strategy in ("zero", "fsdp", "tp", "2d"):  # the gradient norm's sum of squares: over every rank's own part
         terms.append(Term("gradient norm", "all_reduce", "world", 1,
                           sent("all_reduce", 4, tp * dp // replicate, backend)))  # HSDP: one shard group has all
-    if strategy in ("ddp", "zero", "fsdp", "2d"):  # TP peers hold the whole batch's loss already
-        terms.append(Term("the logged loss", "all_reduce", "dp", 1, sent("all_reduce", 4, dp, backend)))
-    if strategy in ("ddp", "zero", "fsdp", "tp", "2d"):  # training.StopRequest: whether to stop, and why
+    if strategy in ("ddp", "zero", "fsdp", "2d", "cp"):  # TP peers hold the whole batch's loss already
+        terms.append(Term("the logged loss", "all_reduce", "dp", 1, sent("all_reduce", 4, dp * cp, backend)))
+    if strategy in ("ddp", "zero", "fsdp", "tp", "2d", "cp"):  # training.StopRequest: whether to stop, and why
         terms.append(Term("whether the gradient norm is finite and a rank was asked to stop", "all_reduce", "world",
-                          1, sent("all_reduce", 8, tp * dp, backend)))
+                          1, sent("all_reduce", 8, tp * dp * cp, backend)))
     return terms
 
 
@@ -489,6 +538,7 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
     say = print if training.launched_rank()[0] == 0 else lambda text: None  # under torchrun, once
     say(f"plan: {preset} ({size} parameters, vocabulary {config.vocab_size:,}) | {layout.strategy}"
         f" on {world_size} rank{'s' * (world_size > 1)} (dp {layout.dp} x tp {layout.tp}"
+        + f" x cp {layout.cp}, {layout.cp_impl}" * (layout.cp > 1)
         + f" x pp {layout.pp}, {layout.schedule}" * (layout.pp > 1) + ") | micro batch "
         f"{layout.micro_batch} x {config.block_size} tokens | {layout.dtype}"
         + f" | ZeRO-{layout.stage}" * (layout.strategy == "zero")

@@ -464,7 +464,7 @@ def _advertised_commands():
     script."""
     texts = [*documentation().values(), *(open(os.path.join(HERE, name)).read() for name in
                                           ("train_single.py", "train_ddp.py", "train_zero.py", "train_fsdp.py",
-                                           "train_tp.py", "train_2d.py"))]
+                                           "train_tp.py", "train_2d.py", "train_cp.py"))]
     lines = "\n".join(texts).replace("\\\n", " ").splitlines()
     return [line.split("#")[0] for line in lines if re.search(r"(torchrun|python) .*train_\w+\.py", line)]
 
@@ -1010,8 +1010,8 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
         train_single.main(flags(corpus, tmp_path, **bad))
 
 
-SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, prepare_data, bench,
-           gpu_check, bench_pipeline]
+SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, train_cp, prepare_data,
+           bench, gpu_check, bench_pipeline]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.__name__)
@@ -3959,6 +3959,7 @@ COPIED_WITH = {  # script -> the files beside it that its default run needs (REA
     "train_2d.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_tp.py", "train_fsdp.py"],
     "train_pp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
     "train_zero.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
+    "train_cp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
 }
 
 
@@ -3972,7 +3973,7 @@ def test_a_copied_script_runs_with_the_files_the_readme_names(tmp_path, script):
     for name in [script] + COPIED_WITH[script]:
         shutil.copy(os.path.join(HERE, name), folder)
     argv = ["--max_steps", "2", "--sample_tokens", "8", "--eval_iters", "1"]
-    ranks = 1 if script == "train_single.py" else 2  # train_2d.py and train_pp.py: --tp 2 and --pp 2 by default
+    ranks = 1 if script == "train_single.py" else 2  # train_2d.py, train_pp.py, train_cp.py: --tp, --pp, --cp 2
     with launcher(tmp_path) as start:
         launch = (start(script, *argv, via_torchrun=False, cwd=folder, PYTHONPATH="") if ranks == 1 else
                   start(*standalone(ranks, script, argv), cwd=folder, PYTHONPATH=""))
@@ -3989,7 +3990,7 @@ def test_the_readme_names_the_files_a_copied_script_needs():
     sentence = re.search(r"A script copied into another project needs ([^;]*);", text)
     assert sentence, "the README no longer says what a copied script needs"
     named = set(re.findall(r"`(\w+\.py)`", sentence.group(1)))
-    assert named == {"train_2d.py", "train_pp.py", "train_zero.py"} | {
+    assert named == {"train_2d.py", "train_pp.py", "train_zero.py", "train_cp.py"} | {
         name for files in COPIED_WITH.values() for name in files}, named
 
 
@@ -4078,7 +4079,7 @@ def test_what_a_reader_must_read_is_small():
     (twice nanoGPT's model.py and train.py, 8,200, plus what Llama's modules add); every other script at most 950 lines
     outside the train_*.py files; copying a script drags along at most 1,550 lines; each strategy core names no
     project module but gpt."""
-    for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d"]:
+    for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_cp"]:
         reach = reader_reach(script)
         outside = sum(lines for module, (lines, _) in reach.items() if not module.startswith("train_"))
         dragged = sorted(m for m in imported_at_module_level(script) if not m.startswith("train_"))
@@ -4095,7 +4096,7 @@ def test_what_a_reader_must_read_is_small():
         else:
             assert outside <= 950, reach
         assert dragged_lines <= 1550, dragged
-    for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp"]:
+    for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp", "train_cp"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
         named = {n.id for node in core for n in ast.walk(node) if isinstance(n, ast.Name)}
@@ -4104,7 +4105,7 @@ def test_what_a_reader_must_read_is_small():
 
 CORES = {"train_single.py": [], "train_ddp.py": [], "train_fsdp.py": [], "train_tp.py": [],  # script -> it composes
          "train_2d.py": ["train_tp.py", "train_fsdp.py"], "train_pp.py": ["train_ddp.py"],
-         "train_zero.py": ["train_ddp.py"]}
+         "train_zero.py": ["train_ddp.py"], "train_cp.py": ["train_ddp.py"]}
 
 
 def test_a_strategy_core_needs_torch_and_gpt_alone(tmp_path):
@@ -4148,6 +4149,7 @@ EVERY_LAYOUT = {  # script, ranks, extra flags: ours and PyTorch's
     "2d-torch": (train_2d.main, 4, dict(tp=2, dp=2, impl="torch")),
     "pp": (train_pp.main, 2, dict(pp=2)),
     "pp-torch": (train_pp.main, 2, dict(pp=2, impl="torch")),
+    "cp": (train_cp.main, 2, dict(cp=2, cp_impl="ring")),
 }
 DIVERGES_AT = 5
 
@@ -5442,6 +5444,7 @@ EVERY_SCRIPT = {  # script, ranks, extra flags: each strategy's loop and hooks o
     "2d-sequence-parallel": (train_2d.main, 2, dict(tp=2, dp=1, sequence_parallel=True)),  # FSDP's hooks around TP's
     "pp": (train_pp.main, 2, dict(pp=2)),
     "zero": (train_zero.main, 2, dict(stage=2)),
+    "cp": (train_cp.main, 2, dict(cp=2, cp_impl="ring")),
 }
 
 
@@ -5516,13 +5519,14 @@ def _graphs_by_step(main, argv):
     return made + [(counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))]
 
 
-@pytest.mark.parametrize("layout", list(EVERY_SCRIPT))
+@pytest.mark.parametrize("layout", [layout for layout in EVERY_SCRIPT if layout != "cp"])  # no dropout, see below
 def test_compile_with_dropout_compiles_once(corpus, shared_tmp, layout):
     """--compile --dropout 0.1 in every script (tensor parallelism with sequence parallelism, 2-D too): Dynamo traces
     each block's forward into one graph for training and one for evaluation, shared by all 9 blocks, before the
     first step ends, and never again: no graph break inside a block, no recompile. A random draw read into Python
     inside a block (a seed for a generator fork) would break the graph there, and a guard on its value would
-    recompile every forward."""
+    recompile every forward. train_cp.py refuses dropout, and leaves its attention core (collectives) out of the
+    graph: test_cp_activation_checkpointing_compile_and_bfloat16 compiles it."""
     main, ranks, extra = EVERY_SCRIPT[layout]
     dp = 2 if main in (train_ddp.main, train_fsdp.main, train_zero.main) else 1
     argv = flags(corpus, shared_tmp, compile=True, dropout=DROPOUT, max_steps=3, global_batch=2 * dp, **extra)
