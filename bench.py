@@ -9,6 +9,7 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py --strategies fsdp,tp,2d --model llama-tiny       # Llama 3: --vocab_size 128256 for its vocabulary
     python bench.py --gpu_check --device cuda --json gpu.json   # a GPU machine's first check: runs gpu_check.py
     python bench.py --checkpointing                  # what --activation_checkpointing costs and saves, per strategy
+    python bench.py --context_parallel              # train_cp.py: activations, bytes, attention work per rank
     python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (plan.py's)
     python bench.py --pipeline --micro_batch 2       # train_pp.py against its formulas: runs bench_pipeline.py
 
@@ -44,6 +45,7 @@ import torch
 import gpt
 import plan
 import prepare_data
+import train_cp
 import train_ddp
 import train_fsdp
 import train_tp
@@ -433,6 +435,54 @@ def checkpointing_cost(args, table, chosen, tmp):
     return rows
 
 
+def attention_work(cp, block_size, head_tail):
+    """Each rank's share of the query-key pairs the causal mask lets through, for one sequence: its tokens at
+    position p each see p + 1 keys. Head-tail chunks (train_cp.py's) or contiguous slices of s / cp tokens."""
+    if head_tail:
+        positions = [train_cp.chunk_positions(rank, cp, block_size // (2 * cp)) for rank in range(cp)]
+    else:
+        positions = torch.arange(block_size).chunk(cp)
+    return [((p + 1).sum() / (block_size * (block_size + 1) / 2)).item() for p in positions]
+
+
+def context_parallel(args, table, tmp):
+    """--context_parallel: train_cp.py's methods on 2 and 4 ranks against train_single.py: the activations the first
+    micro-batch saves (measured, and the planner's), the bytes a step sends (measured, and the formula), and each
+    rank's share of the attention work under head-tail chunks and under contiguous ones."""
+    config = gpt.make_config(args.model, prepare_data.ensure_data(args.data, is_writer=True)["vocab_size"],
+                             args.block_size)
+    micro_batch = args.micro_batch or args.global_batch
+    names = ["cp", "cp_ring", "cp4", "cp4_ring"]
+    runs = {name: run_once(args, name, table[name].script, table[name].ranks, table[name].flags + [
+        "--micro_batch", str(micro_batch)], None, table[name].group_size, args.global_batch, tmp) for name in names}
+    single = run_once(args, "single", "train_single.py", 1, ["--micro_batch", str(micro_batch)], None, 1,
+                      args.global_batch, tmp)
+    print(f"\n{args.model}, block {args.block_size}, micro batch {micro_batch}, {args.device} {args.dtype}: "
+          f"one device saves {single['activation_bytes'] / 2**20:.2f} MiB for backward")
+    header = (f"{'run':9} {'cp':>3} {'saved MiB':>9} {'planned':>8} {'/single':>7} {'comm MiB/step':>13} "
+              f"{'formula':>8}")
+    print(header + "\n" + "-" * len(header))
+    rows = []
+    for name in names:
+        cp, row = table[name].ranks, runs[name]
+        layout = plan.Layout("cp", cp, 1, 1, micro_batch, args.dtype, device=args.device, cp=cp,
+                             cp_impl="ring" if "ring" in name else "allgather")
+        planned = sum(size for item, size in plan.plan_memory(config, layout)
+                      if item.startswith(("activations", "embeddings", "loss", "bfloat16 copies")))
+        formula = sum(term.bytes for term in table[name].formula())
+        print(f"{name:9} {cp:3d} {row['activation_bytes'] / 2**20:9.2f} {planned / 2**20:8.2f} "
+              f"{row['activation_bytes'] / single['activation_bytes']:7.3f} {row['comm_bytes'] / 2**20:13.2f} "
+              f"{formula / 2**20:8.2f}")
+        rows.append(dict(strategy=name, cp=cp, planned_activation_bytes=planned, formula_bytes=formula, **row))
+    print("\nattention work, each rank's share of one device's (query, key) pairs under the causal mask:")
+    for cp in (2, 4):
+        for head_tail in (True, False):
+            shares = attention_work(cp, args.block_size, head_tail)
+            print(f"  cp {cp}, {'head-tail chunks' if head_tail else 'contiguous     '}: "
+                  + " ".join(f"{share:.3f}" for share in shares) + f"  (slowest / mean {max(shares) * cp:.2f})")
+    return rows
+
+
 def arguments(description):
     """The flags of every benchmarked run, bench.py's and bench_pipeline.py's: a group after the file's own."""
     p = argparse.ArgumentParser(description=description, formatter_class=training.HelpFormatter)
@@ -476,6 +526,9 @@ def main(argv=None):
     p.add_argument("--pipeline", action="store_true",
                    help="python bench_pipeline.py with the other flags: train_pp.py's bubble, activations and sends "
                    "against their formulas, its tokens/s against torch's (m = --global_batch / --micro_batch)")
+    p.add_argument("--context_parallel", action="store_true",
+                   help="train_cp.py on 2 and 4 ranks: activations, bytes and attention work per rank against one "
+                   "device's and the formulas")
     p.add_argument("--what_fits", action="store_true",
                    help="print plan.what_fits's table: the smallest layout for each preset on 8 and 64 GPUs (no runs)")
     p.add_argument("--gpu_memory", type=float, default=80, help="--what_fits: one GPU's memory, in GB (10^9 bytes)")
@@ -493,7 +546,7 @@ def main(argv=None):
             args.data = synthetic_data(os.path.join(tmp, f"vocab-{args.vocab_size}"), args.vocab_size)
         table = strategies(args)
         chosen = [name for name in args.strategies.split(",") if os.path.exists(os.path.join(HERE, table[name].script))]
-        mode = checkpointing_cost if args.checkpointing else compare
+        mode = checkpointing_cost if args.checkpointing else context_parallel if args.context_parallel else compare
         rows = mode(args, table, chosen, tmp)
     if args.json:
         with open(args.json, "w") as f:

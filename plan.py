@@ -247,10 +247,10 @@ def context_parallel_plan(config, layout):
     local = replace(config, block_size=s // layout.cp)
     rows = plan_memory(local, layout._replace(strategy="ddp", cp=1))
     if layout.cp_impl == "allgather":
-        added = ("keys and values of every rank, gathered (all-gather)", L * 2 * b * (s - s // layout.cp)
+        added = ("activations: every rank's keys and values, gathered", L * 2 * b * (s - s // layout.cp)
                  * kv * e + L * s * s // layout.cp)  # and the boolean mask, s / cp queries x s keys
     else:
-        added = ("ring attention's float32 output, merged into", L * b * s // layout.cp * config.n_embd * 4
+        added = ("activations: ring attention's float32 output", L * b * s // layout.cp * config.n_embd * 4
                  if e == 2 else 0)  # float32: the output itself
     checkpointed = layout.activation_checkpointing
     return rows + [(added[0] + ", one block" * checkpointed, added[1] // (L if checkpointed else 1))]

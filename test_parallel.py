@@ -3227,6 +3227,10 @@ PLANNED = {  # script, ranks, extra flags, the Layout's (strategy, dp, tp) and o
     "llama-fsdp": (train_fsdp.main, 2, dict(model="llama-tiny"), ("fsdp", 2, 1), {}),
     "llama-tp-sequence-parallel": (train_tp.main, 2, dict(model="llama-tiny", sequence_parallel=True), ("tp", 1, 2),
                                    dict(sequence_parallel=True)),
+    # context parallel: s / cp tokens a rank; the all-gather saves every rank's keys and values, the ring its own
+    "cp": (train_cp.main, 2, dict(cp=2), ("cp", 1, 1), dict(cp=2)),
+    "llama-cp-ring": (train_cp.main, 2, dict(model="llama-tiny", cp=2, cp_impl="ring"), ("cp", 1, 1),
+                      dict(cp=2, cp_impl="ring")),
 }
 ACTIVATION_TOLERANCE = 0.10  # the issue's bound; measured: float32 within 0.01% (a storage a few bytes larger),
 # bfloat16 within 0.5% (autocast's copies of biases, which the plan counts and addmm does not save)
@@ -4163,8 +4167,8 @@ def _diverging(main, argv, step=DIVERGES_AT):
         current.append(step)
         return real_set_lr(optimizer, step, args)
 
-    def forward(self, idx, targets=None):
-        out = real_forward(self, idx, targets)
+    def forward(self, idx, targets=None, pos=None):  # pos: train_cp.py passes its tokens' positions
+        out = real_forward(self, idx, targets, pos)
         return out * float("nan") if targets is not None and self.training and current[-1] >= step else out
 
     real_cross_entropy = gpt.cross_entropy
@@ -4267,7 +4271,7 @@ def _diverging_on_one_rank(main, argv, rank, step):
 ONE_RANK_DIVERGES_AT = 2  # with --ckpt_interval 2, step 2's checkpoint holds what every rank held when it began
 
 
-@pytest.mark.parametrize("layout", ["single", "ddp", "fsdp", "tp", "2d", "pp"])
+@pytest.mark.parametrize("layout", ["single", "ddp", "fsdp", "tp", "2d", "pp", "cp"])
 def test_a_non_finite_gradient_on_one_rank_stops_every_rank_before_the_step(corpus, tmp_path, layout):
     """From step 2 on one rank's gradients hold a NaN, every rank's loss finite: the last rank's (under the pipeline
     the first stage's, whose gradients no send carries to another rank). A guard that read only its own loss would

@@ -133,7 +133,8 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < cp:
                 next_kv, works = ring_exchange(kv, group)
             for query, key, diagonal in chunk_pairs(rank, (rank - step) % cp, cp, chunk_len):
-                block_out, block_lse = block_attention(q[..., query, :], kv[0][..., key, :], kv[1][..., key, :], diagonal)
+                k_block, v_block = kv[0][..., key, :], kv[1][..., key, :]
+                block_out, block_lse = block_attention(q[..., query, :], k_block, v_block, diagonal)
                 merged = torch.logaddexp(lse[..., query], block_lse)
                 out[..., query, :] = (out[..., query, :] * (lse[..., query] - merged).exp()[..., None]
                                       + block_out * (block_lse - merged).exp()[..., None])
