@@ -244,16 +244,18 @@ def context_parallel_plan(config, layout):
     the mask of which key each query sees; the ring saves only its own, and its output in float32 to merge into."""
     s, b, L, kv = config.block_size, layout.micro_batch, config.n_layer, config.n_kv_head * config.head_dim
     e = 2 if layout.dtype == "bfloat16" else 4
-    local = replace(config, block_size=s // layout.cp)
-    rows = plan_memory(local, layout._replace(strategy="ddp", cp=1))
-    if layout.cp_impl == "allgather":
-        added = ("activations: every rank's keys and values, gathered", L * 2 * b * (s - s // layout.cp)
-                 * kv * e + L * s * s // layout.cp)  # and the boolean mask, s / cp queries x s keys
-    else:
-        added = ("activations: ring attention's float32 output", L * b * s // layout.cp * config.n_embd * 4
-                 if e == 2 else 0)  # float32: the output itself
-    checkpointed = layout.activation_checkpointing
-    return rows + [(added[0] + ", one block" * checkpointed, added[1] // (L if checkpointed else 1))]
+    whole = layout._replace(strategy="ddp", cp=1)
+    weights = ("parameters", "gradients", "AdamW", "bfloat16 copies")  # wpe's s rows among them
+    rows = [row for row in plan_memory(config, whole) if row[0].startswith(weights)]
+    rows += [row for row in plan_memory(replace(config, block_size=s // layout.cp), whole)
+             if not row[0].startswith(weights)]
+    if layout.cp_impl == "allgather":  # and the boolean mask, s / cp queries x s keys
+        item, size = "every rank's keys and values, gathered", 2 * b * (s - s // layout.cp) * kv * e + s * s // layout.cp
+    else:  # float32: the output itself
+        item, size = "ring attention's float32 output", b * s // layout.cp * config.n_embd * 4 if e == 2 else 0
+    if layout.activation_checkpointing:  # saved only while a block is recomputed
+        return rows + [("one block recomputed in backward: " + item, size)]
+    return rows + [("activations: " + item, L * size)]
 
 
 def context_parallel_terms(config, tokens, steps, compute, cp, cp_impl, backend):
