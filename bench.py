@@ -445,10 +445,10 @@ def attention_work(cp, block_size, head_tail):
     return [((p + 1).sum() / (block_size * (block_size + 1) / 2)).item() for p in positions]
 
 
-def context_parallel(args, table, tmp):
+def context_parallel(args, table, chosen, tmp):
     """--context_parallel: train_cp.py's methods on 2 and 4 ranks against train_single.py: the activations the first
     micro-batch saves (measured, and the planner's), the bytes a step sends (measured, and the formula), and each
-    rank's share of the attention work under head-tail chunks and under contiguous ones."""
+    rank's share of the attention work under head-tail chunks and under contiguous ones (--strategies aside)."""
     config = gpt.make_config(args.model, prepare_data.ensure_data(args.data, is_writer=True)["vocab_size"],
                              args.block_size)
     micro_batch = args.micro_batch or args.global_batch
