@@ -274,7 +274,8 @@ def context_parallel_terms(config, tokens, steps, compute, cp, cp_impl, backend)
             Term("keys and values around the ring again, backward", "send", "cp", steps * L * (cp - 1),
                  steps * L * (cp - 1) * block),
             Term("their dK/dV partial sums, back to the owner", "send", "cp", steps * L * (cp - 1),
-                 steps * L * (cp - 1) * block)]
+                 steps * L * (cp - 1) * block),
+            Term("each of the three, received from the previous rank", "recv", "cp", 3 * steps * L * (cp - 1), 0)]
 
 
 def stage_plan(config, layout, stage, layers, schedule):

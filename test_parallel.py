@@ -1500,6 +1500,8 @@ COMM_LAYOUTS = {
     "tp_no_loss_parallel": ("train_tp.py", 2, ["--no_loss_parallel"], "float32", dict(tp=2, loss_parallel=False)),
     "2d": ("train_2d.py", 4, ["--tp", "2", "--dp", "2", "--micro_batch", "2", "--sequence_parallel"], "bfloat16",
            dict(tp=2, dp=2, micro_batch=2, sequence_parallel=True)),
+    "cp_ring": ("train_cp.py", 2, ["--micro_batch", "2", "--cp", "2", "--cp_impl", "ring"], "float32",
+                dict(cp=2, micro_batch=2, cp_impl="ring")),
 }
 
 
@@ -1518,12 +1520,14 @@ def test_bench_formula_counts_every_collective(strategy, model, dtype, corpus, t
     2-D's norms output bf16 anyway). Under --dtype bfloat16 DDP's buckets and FSDP's reduce-scatters still carry
     float32 gradients while FSDP gathers bfloat16 weights: a gradient reduced in bf16 would send half the bytes the
     formula counts. On Llama's 2-D layout too: FSDP gathers the narrower key/value projections, the gate and the
-    untied head; tensor parallelism's collectives carry the residual stream, as wide as GPT-2's."""
+    untied head; tensor parallelism's collectives carry the residual stream, as wide as GPT-2's. The context-parallel
+    ring: three sends (and three receives) a layer and micro-step, then the gradients' all-reduce over every rank."""
     script, ranks, extra, default_dtype, layout = COMM_LAYOUTS[strategy]
     dtype = dtype or default_dtype
     args = argparse.Namespace(model=model, data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
                               dtype=dtype, compile=False, threads=1)
-    row = bench.run_once(args, strategy, script, ranks, extra, "ours", 2, 8, str(tmp_path))
+    impl = None if script == "train_cp.py" else "ours"  # train_cp.py has no --impl: torch's needs a GPU
+    row = bench.run_once(args, strategy, script, ranks, extra, impl, 2, 8, str(tmp_path))
     terms = plan.comm_formula(strategy.split("_")[0], gpt.make_config(model, 256, 32), 8, dtype=dtype,
                               backend="gloo", buckets=train_ddp.assign_buckets, **bench.STRATEGY_CODE, **layout)
     assert row["collectives"] == sum(term.count for term in terms), terms
