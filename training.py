@@ -387,7 +387,7 @@ def initial_values(config, seed, init_from=None):
         import hugging_face
         read = hugging_face.reader(init_from, config)  # reads only the rows that hold the part asked for
     else:
-        read = lambda name, shape, box: gpt.initial_value(name, shape, config, seed)[tuple(slice(*b) for b in box)]
+        read = lambda name, shape, box: gpt.initial_value(name, shape, config, seed, box)  # only the tiles it touches
 
     def value(name, shape, box=None, flat=None):
         box = tuple((0, n) for n in shape) if box is None else tuple(box)
