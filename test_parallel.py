@@ -203,11 +203,12 @@ TOLERANCE = 5e-6
 reorders float32 additions: measured up to 8e-7 (2-D, grad norm). A dropped all-reduce, a skipped shard or a
 gradient summed instead of averaged moves them by 1e-3 or more."""
 
-WEIGHT_TOLERANCE = 3e-5
+WEIGHT_TOLERANCE = 5e-5
 """Largest absolute difference allowed between two layouts' final weights, element by element. AdamW divides
 each gradient by its own running magnitude, so an element whose gradient is near zero turns reduction-order
-noise into a visible step: after 6 steps a handful of elements out of 65536 differ by up to 1e-5 (tensor
-parallel; ~1e-6 for data parallel), 0.3% of one update at lr 3e-3, while everything else agrees to ~1e-7. The
+noise into a visible step: after 6 steps a handful of elements out of 65536 differ by up to 3.3e-5 (tensor
+parallel, resumed from single; ~1e-6 for data parallel), 1% of one update at lr 3e-3, while everything else agrees
+to ~1e-7. The
 attention key bias is such a parameter throughout: softmax ignores the q.b_k it adds to a whole row, so its
 gradient is zero in exact arithmetic and it holds only rounding noise (~1e-6). A real bug moves thousands of
 elements by ~1e-3."""

@@ -549,6 +549,9 @@ class Logger:
     def start(self, sampler, dp_size, start_step, layout=""):
         args = self.args
         origin = "from scratch" if not args.init_from else f"from {args.init_from}'s weights"
+        if args.init_from and not start_step:
+            import hugging_face  # imported already: --init_from read this rank's parts through it
+            origin += f" ({hugging_face.read_summary()} on this rank)"
         origin += f" (--resume: no checkpoint in {args.out_dir!r} yet)" if args.resume else ""  # nothing to resume
         self.print(f"{args.init_from or args.model or 'tiny'}: {self.num_params / 1e6:.2f}M parameters | "
                    f"{self.world_size} rank{'s' * (self.world_size > 1)} on {self.device} | {layout}global batch "
