@@ -246,6 +246,7 @@ class Checkpoint:
             reason = f"{type(error).__name__}: {error}".splitlines()[0]
             raise training.UsageError(f"checkpoint {path!r} is unreadable ({reason}); {older_advice(path)}") from None
         self.path = path
+        self.elements_read = 0  # what load() copied out of the files: about this rank's part
         self.pieces = {}
         for shard in self.shards:
             for name, pieces in shard["tensors"].items():
@@ -265,18 +266,45 @@ class Checkpoint:
                                  f"{math.prod(shape)} elements (another model, or a rank file missing or truncated)")
 
     def full(self, name):
-        pieces = self.pieces[name]
-        out = torch.empty(pieces[0]["shape"], dtype=pieces[0]["data"].dtype)
-        for p in pieces:
-            region = out[tuple(slice(a, b) for a, b in p["box"])]
-            flat = region.flatten()  # a copy when the box is not contiguous: written back below
-            flat[p["flat"][0]:p["flat"][1]] = p["data"]
-            region.copy_(flat.view(region.shape))
-        return out
+        shape = tuple(self.pieces[name][0]["shape"])
+        return self.region(name, tuple((0, n) for n in shape), (0, math.prod(shape))).view(shape)
 
-    def region(self, name, part):
-        """The elements of tensor `name` that `part` holds, flattened."""
-        return self.full(name)[tuple(slice(a, b) for a, b in part.box)].flatten()[part.flat[0]:part.flat[1]]
+    def region(self, name, box, flat):
+        """Elements [flat[0], flat[1]) of the flattened full[box] of tensor `name` (a Part's): assembled from the
+        stored pieces that overlap it, copying only their overlap. The files are mapped: the rest stays on disk."""
+        rows, columns = as_matrix(box)
+        width = columns[1] - columns[0]
+        top, bottom = rows[0] + flat[0] // width, rows[0] - (-flat[1] // width)  # the rows the part touches
+        window = torch.empty(bottom - top, width, dtype=self.pieces[name][0]["data"].dtype)
+        for p in self.pieces[name]:
+            for row, column, values in rectangles(as_matrix(p["box"]), p["flat"], p["data"]):
+                first, last = max(row, top), min(row + len(values), bottom)  # the overlap with the window
+                start, stop = max(column, columns[0]), min(column + values.shape[1], columns[1])
+                if first < last and start < stop:
+                    copied = values[first - row:last - row, start - column:stop - column]
+                    window[first - top:last - top, start - columns[0]:stop - columns[0]] = copied
+                    self.elements_read += copied.numel()
+        return window.view(-1)[flat[0] % width:flat[0] % width + flat[1] - flat[0]]
+
+
+def as_matrix(box):
+    """A box of a matrix, or of a vector seen as a one-column matrix: its (rows, columns)."""
+    return (box[0], box[1]) if len(box) == 2 else (box[0], (0, 1))
+
+
+def rectangles(box, flat, data):
+    """A stored piece, elements [flat[0], flat[1]) of the flattened full[box] of a matrix, as at most three rectangles
+    of the full matrix (a partial first row, whole rows, a partial last row): (first row, first column, values)."""
+    (rows, columns), (start, stop) = box, flat
+    width = columns[1] - columns[0]
+    whole = (-(-start // width) * width, stop // width * width)  # the whole rows' flat range
+    segments = [(start, stop)] if whole[0] > whole[1] else [(start, whole[0]), whole, (whole[1], stop)]
+    for begin, end in segments:
+        if begin < end:
+            count = min(width, end - begin)  # elements a row: a partial row's, or the box's width
+            row, column = rows[0] + begin // width, columns[0] + begin % width
+            values = data[begin - start:end - start].view(-1, count)
+            yield row, column, values
 
 
 @torch.no_grad()
@@ -290,12 +318,12 @@ def load(checkpoint, parts, optimizer, config):
     checkpoint.check(config, shapes)
     moments = {}
     for part in parts:
-        part.local().copy_(checkpoint.region(part.name, part))
+        part.local().copy_(checkpoint.region(part.name, part.box, part.flat))
         if with_moments:
             if part.tensor not in moments:
                 moments[part.tensor] = (torch.zeros_like(part.tensor), torch.zeros_like(part.tensor))
             for buffer, moment in zip(moments[part.tensor], MOMENTS):
-                part.local(buffer).copy_(checkpoint.region(f"{moment}/{part.name}", part))
+                part.local(buffer).copy_(checkpoint.region(f"{moment}/{part.name}", part.box, part.flat))
     if moments:
         # Through load_state_dict: AdamW puts the step count where its implementation (fused, foreach) wants it.
         state_dict = optimizer.state_dict()

@@ -286,19 +286,39 @@ def cross_entropy(logits, targets, vocab_size):
     return F.cross_entropy(logits[:, :vocab_size], targets)
 
 
-def initial_value(name, shape, config, seed):
-    """The float32 CPU tensor parameter `name` starts with: a function of (seed, name) alone, so a rank that
-    builds one block, one shard or one slice takes exactly what one device would have there."""
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+# Random weights are drawn in tiles of INIT_TILE (rows, columns), each from a generator of its own seeded by
+# (seed, name, tile): a part of a tensor (an FSDP shard's rows, a tensor-parallel slice's rows or columns) draws only
+# the tiles it touches, and every layout, single-device included, reads the same numbers.
+INIT_TILE = (32, 512)
+
+
+def initial_value(name, shape, config, seed, box=None):
+    """The float32 CPU tensor parameter `name` starts with, or its box (default: the whole tensor): a function of
+    (seed, name) alone, so a rank that builds one block, one shard or one slice takes exactly what one device would
+    have there, and draws about as many random numbers as its part holds."""
+    box = tuple((0, n) for n in shape) if box is None else tuple(box)
+    size = tuple(stop - start for start, stop in box)
     if name.endswith("bias"):
-        return torch.zeros(shape)
+        return torch.zeros(size)
     if ".ln_" in name or name.startswith("ln_"):
-        return torch.ones(shape)
+        return torch.ones(size)
     std = 0.02
     if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
         std /= math.sqrt(2 * config.n_layer)  # GPT-2: residual projections scaled by 1/sqrt(2 n_layer)
-    return torch.randn(shape, generator=generator) * std
+    value = torch.empty(size)
+    (row_start, row_stop), (column_start, column_stop) = box  # every drawn parameter is a matrix
+    tile_rows, tile_columns = INIT_TILE
+    for row in range(row_start - row_start % tile_rows, row_stop, tile_rows):
+        for column in range(column_start - column_start % tile_columns, column_stop, tile_columns):
+            digest = hashlib.sha256(f"{seed}/{name}/{row}/{column}".encode()).digest()
+            generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            tile = torch.randn(min(tile_rows, shape[0] - row), min(tile_columns, shape[1] - column),
+                               generator=generator)
+            top, bottom = max(row, row_start), min(row + tile_rows, row_stop)  # the tile's overlap with the box
+            left, right = max(column, column_start), min(column + tile_columns, column_stop)
+            inside = (slice(top - row_start, bottom - row_start), slice(left - column_start, right - column_start))
+            value[inside] = tile[top - row:bottom - row, left - column:right - column]
+    return value.mul_(std)
 
 
 def set_attention(model, attn):

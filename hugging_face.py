@@ -14,6 +14,8 @@ Run as a script, it writes a GPT-2 of random weights in that format, a stand-in 
 import argparse
 import json
 import os
+from collections import Counter
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -185,16 +187,31 @@ class HuggingFaceCheckpoint:
             with open(os.path.join(folder, self.listing)) as f:
                 self.files = json.load(f)["weight_map"]
         self.files = {name: os.path.join(folder, file) for name, file in self.files.items()}
-        self.shapes = {}
-        for path in sorted(set(self.files.values())):  # every header, so that every rank checks every shape alike
-            self.shapes.update(safetensors_shapes(path))
         # GPT2LMHeadModel.save_pretrained() names the body transformer.*; the hub's GPT-2 files do not.
-        self.prefix = "transformer." if "transformer.wte.weight" in self.shapes else ""
+        self.prefix = "transformer." if "transformer.wte.weight" in self.files else ""
+
+    @cached_property
+    def shapes(self):
+        """Every tensor's shape, from every file's header (a few kB each): every rank checks every shape alike."""
+        shapes = {}
+        for path in sorted(set(self.files.values())):
+            shapes.update(safetensors_shapes(path))
+        return shapes
 
     def read(self, name, box):
         name = self.prefix + name
         with safe_open(self.files[name], framework="pt") as file:  # a slice may view the mapping: copy it out
-            return file.get_slice(name)[tuple(slice(start, stop) for start, stop in box)].clone()
+            value = file.get_slice(name)[tuple(slice(start, stop) for start, stop in box)].clone()
+        bytes_read[self.files[name]] += value.numel() * value.element_size()
+        return value
+
+
+bytes_read = Counter()  # file -> the bytes this process copied out of it (HuggingFaceCheckpoint.read)
+
+
+def read_summary():
+    """What this rank read of --init_from, for the start-up line: its parts' bytes, from the files holding them."""
+    return f"read {sum(bytes_read.values()) / 1e6:,.1f} MB from {len(bytes_read)} file{'s' * (len(bytes_read) != 1)}"
 
 
 def pretrained_config(args, meta):
@@ -233,19 +250,18 @@ def reader(name_or_path, config):
     return lambda name, shape, box: read_hugging_face(name, box, config, checkpoint.read)
 
 
-def write_random_gpt2(folder, n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257, seed=0):
-    """config.json and model.safetensors of a GPT-2 with random weights, stored as Hugging Face's GPT2LMHeadModel
-    stores GPT-2: Conv1D weights [in, out], q|k|v side by side in c_attn, no LM head (tied to wte). Drawn as GPT-2
-    initialises them: weights N(0, 0.02), biases zero, layer norms' gains one."""
+def write_random_gpt2(folder, n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257, seed=0,
+                      files=1):
+    """config.json and model.safetensors (or `files` shards of it) of a GPT-2 with random weights, stored as Hugging
+    Face's GPT2LMHeadModel stores GPT-2: Conv1D weights [in, out], q|k|v side by side in c_attn, no LM head (tied to
+    wte). Drawn as GPT-2 initialises them: weights N(0, 0.02), biases zero, layer norms' gains one."""
     shapes = {"wte.weight": (vocab_size, n_embd), "wpe.weight": (n_positions, n_embd)}
-    for i in range(n_layer):
-        shapes.update({f"h.{i}.ln_1.weight": (n_embd,), f"h.{i}.attn.c_attn.weight": (n_embd, 3 * n_embd),
-                       f"h.{i}.attn.c_proj.weight": (n_embd, n_embd), f"h.{i}.ln_2.weight": (n_embd,),
-                       f"h.{i}.mlp.c_fc.weight": (n_embd, 4 * n_embd),
-                       f"h.{i}.mlp.c_proj.weight": (4 * n_embd, n_embd)})
-    shapes["ln_f.weight"] = (n_embd,)
-    shapes.update({name.replace("weight", "bias"): shape[-1:] for name, shape in list(shapes.items())
-                   if not name.startswith(("wte", "wpe"))})
+    for i in range(n_layer):  # a block's tensors side by side, as the hub's shards hold them
+        for module, shape in (("ln_1", (n_embd,)), ("attn.c_attn", (n_embd, 3 * n_embd)),
+                              ("attn.c_proj", (n_embd, n_embd)), ("ln_2", (n_embd,)),
+                              ("mlp.c_fc", (n_embd, 4 * n_embd)), ("mlp.c_proj", (4 * n_embd, n_embd))):
+            shapes.update({f"h.{i}.{module}.weight": shape, f"h.{i}.{module}.bias": shape[-1:]})
+    shapes.update({"ln_f.weight": (n_embd,), "ln_f.bias": (n_embd,)})
     generator = torch.Generator().manual_seed(seed)
 
     def initial(name, shape):
@@ -257,7 +273,18 @@ def write_random_gpt2(folder, n_layer=12, n_head=12, n_embd=768, n_positions=102
 
     tensors = {name: initial(name, shape) for name, shape in shapes.items()}
     os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    if files == 1:
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    else:  # as the hub shards a large model: consecutive tensors a file, and an index naming each tensor's file
+        names = list(tensors)
+        weight_map = {}
+        for k in range(files):
+            file = f"model-{k + 1:05d}-of-{files:05d}.safetensors"
+            share = names[k * len(names) // files:(k + 1) * len(names) // files]
+            save_file({name: tensors[name] for name in share}, os.path.join(folder, file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(share, file))
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
     config = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], activation_function="gelu_new",
                   layer_norm_epsilon=1e-5, n_ctx=n_positions, n_positions=n_positions, n_embd=n_embd, n_head=n_head,
                   n_layer=n_layer, vocab_size=vocab_size)
@@ -274,12 +301,13 @@ def main(argv=None):
     p.add_argument("--n_positions", type=positive_int, default=1024, help="the longest context (--block_size)")
     p.add_argument("--vocab_size", type=positive_int, default=50257, help="GPT-2's tokenizer (256: the byte one)")
     p.add_argument("--seed", type=int, default=0, help="seeds the random weights")
+    p.add_argument("--files", type=positive_int, default=1, help="shards, named in model.safetensors.index.json")
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         raise UsageError(f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}: choose a --n_head that "
                          "divides it")
     write_random_gpt2(args.out_dir, args.n_layer, args.n_head, args.n_embd, args.n_positions, args.vocab_size,
-                      args.seed)
+                      args.seed, args.files)
     config = config_from_hugging_face(HuggingFaceCheckpoint(args.out_dir).config, args.n_positions, 0.0)
     with torch.device("meta"):
         parameters = gpt.GPT(config).num_params()

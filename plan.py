@@ -43,6 +43,7 @@ class Layout(NamedTuple):
     bucket_mb: float = 25  # ddp and zero: the largest gradient bucket, in MiB
     cp: int = 1  # cp: context-parallel ranks, each holding s / cp tokens of every sequence (the ranks are cp x dp)
     cp_impl: str = "allgather"  # cp: how attention reaches the other ranks' keys and values (allgather, ring)
+    cpu_offload: bool = False  # fsdp and 2d: shards, their gradients and AdamW in host memory, stepped there
 
 
 def layout_of(args, world_size, dp_size, micro_batch, device):
@@ -54,7 +55,7 @@ def layout_of(args, world_size, dp_size, micro_batch, device):
                   args.activation_checkpointing, not getattr(args, "no_reshard", False), device, pp,
                   getattr(args, "schedule", "1f1b"), args.global_batch // (micro_batch * dp_size),
                   getattr(args, "stage", 1), getattr(args, "replicate", 1), getattr(args, "bucket_mb", 25), cp,
-                  getattr(args, "cp_impl", "allgather"))
+                  getattr(args, "cp_impl", "allgather"), getattr(args, "cpu_offload", False))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -201,6 +202,20 @@ def activation_plan(config, layout):
     return items, (block if layout.activation_checkpointing else 0)
 
 
+def model_states(params, tensors):
+    """[(item, bytes)] of `params` float32 elements in `tensors` tensors, their gradients and AdamW's state."""
+    return [("parameters (float32)", 4 * params),
+            ("gradients (float32)", 4 * params),
+            ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * tensors)]
+
+
+def host_plan(config, layout, units=None, sliced=None):
+    """[(item, bytes)] one rank keeps in host memory under --cpu_offload (pinned: the copies to and from the device
+    run asynchronously): its FSDP shards, their gradients and AdamW's state, which steps there."""
+    params, tensors, _, _, _ = parameter_plan(config, layout, sliced, units)
+    return model_states(params, tensors)
+
+
 def plan_memory(config, layout, sliced=None, units=None, buckets=None):
     """[(item, bytes)] one rank holds at its peak in this layout: what lives all run, one micro-batch's saved
     activations, and what exists at once during a step (gathered units, logits and their gradient). sliced, units and
@@ -214,9 +229,11 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
     fsdp = layout.strategy in ("fsdp", "2d")
     logits = layout.micro_batch * config.block_size * config.padded_vocab_size // (
         layout.tp if layout.tp > 1 and layout.loss_parallel else 1)
-    rows = [("parameters (float32)", 4 * params),
-            ("gradients (float32)", 4 * params),
-            ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * tensors)]
+    rows = model_states(params, tensors)
+    if fsdp and layout.cpu_offload:  # the model states are in host memory (host_plan); shards visit the device
+        shard = max(root, unit) // (layout.dp // layout.replicate)
+        rows = [("float32 shards copied in to be all-gathered: a unit's, the next one's", 2 * 4 * shard),
+                ("a float32 gradient shard, reduce-scattered, before its copy out", 4 * shard)]
     if layout.strategy == "zero":
         rows = zero_states(config, layout, buckets)
     if e == 2 and not fsdp:  # autocast's copies, saved by the matmuls; checkpointed blocks recast theirs
@@ -551,7 +568,17 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
     for item, size in rows + [("total, one rank", total)]:
         say(f"  {item:66} {format_bytes(size):>11}")
     say(plan_verdict(total, args.gpu_memory, layout, rows))
+    if layout.cpu_offload and layout.strategy in ("fsdp", "2d"):
+        host = host_plan(config, layout, units, sliced)
+        node = min(GPUS_PER_NODE, world_size)
+        say("host memory (--cpu_offload), pinned:")
+        for item, size in host + [("total, one rank", sum(size for _, size in host)),
+                                  (f"total, a node of {node} ranks", node * sum(size for _, size in host))]:
+            say(f"  {item:66} {format_bytes(size):>11}")
     return rows
+
+
+GPUS_PER_NODE = 8  # ranks a node shares host memory between, under --cpu_offload
 
 
 FITS_PRESETS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-125m", "gpt3-350m", "gpt3-760m", "gpt3-1.3b",

@@ -271,6 +271,7 @@ def main(argv=None):
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
     parser.add_argument("--no_deferred_init", action="store_true",
                         help="build the whole model first (default: on meta; each rank initialises only its shards)")
+    parser.add_argument("--cpu_offload", action="store_true", help="shards, gradients and AdamW in host memory")
     parser.add_argument("--replicate", type=training.positive_int, default=1,
                         help="HSDP: shard over world / R consecutive ranks (a node), replicate over the R groups")
     args = parser.parse_args(argv)

@@ -387,7 +387,7 @@ def initial_values(config, seed, init_from=None):
         import hugging_face
         read = hugging_face.reader(init_from, config)  # reads only the rows that hold the part asked for
     else:
-        read = lambda name, shape, box: gpt.initial_value(name, shape, config, seed)[tuple(slice(*b) for b in box)]
+        read = lambda name, shape, box: gpt.initial_value(name, shape, config, seed, box)  # only the tiles it touches
 
     def value(name, shape, box=None, flat=None):
         box = tuple((0, n) for n in shape) if box is None else tuple(box)
@@ -549,6 +549,9 @@ class Logger:
     def start(self, sampler, dp_size, start_step, layout=""):
         args = self.args
         origin = "from scratch" if not args.init_from else f"from {args.init_from}'s weights"
+        if args.init_from and not start_step:
+            import hugging_face  # imported already: --init_from read this rank's parts through it
+            origin += f" ({hugging_face.read_summary()} on this rank)"
         origin += f" (--resume: no checkpoint in {args.out_dir!r} yet)" if args.resume else ""  # nothing to resume
         self.print(f"{args.init_from or args.model or 'tiny'}: {self.num_params / 1e6:.2f}M parameters | "
                    f"{self.world_size} rank{'s' * (self.world_size > 1)} on {self.device} | {layout}global batch "
