@@ -647,7 +647,7 @@ def _fsdp_optimizer_groups():
     _, fsdp, _ = _build(gpt.make_config("tiny", vocab_size=256, block_size=32))
     args = training.get_parser("").parse_args(["--weight_decay", "0.25"])
     optimizer = training.make_optimizer(fsdp.parameter_groups(), args, torch.device("cpu"))
-    names = {flat.shard: flat.names for flat in fsdp.flats}
+    names = {flat.shard: [param.name for param in flat.params] for flat in fsdp.flats}
     return [(group["weight_decay"], [names[shard] for shard in group["params"]]) for group in optimizer.param_groups]
 
 
@@ -1967,8 +1967,8 @@ def named_full_parameters(fsdp):
     for flat in fsdp.flats:
         full = torch.empty(flat.shard_size * flat.world, device=flat.shard.device)
         train_fsdp.all_gather_single(full, flat.shard.detach(), group=fsdp.group)
-        for name, shape, piece in zip(flat.names, flat.shapes, full.split(flat.sizes + [flat.padding])):
-            yield name, piece.view(shape)
+        for param, view in zip(flat.params, flat.views(full)):
+            yield param.name, view
 
 
 def _build(config, seed=5, init_from=None, **groups):
@@ -1985,7 +1985,7 @@ def _deferred_init():
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     model, fsdp, largest = _build(config)
     full = {name: tensor.numpy() for name, tensor in named_full_parameters(fsdp)}
-    return largest, max(flat.shard_size for flat in fsdp.flats), [sum(flat.sizes) for flat in fsdp.flats], full
+    return largest, max(flat.shard_size for flat in fsdp.flats), [flat.shard_size * flat.world - flat.padding for flat in fsdp.flats], full
 
 
 def test_fsdp_deferred_init_holds_one_parameter_at_a_time(corpus):
@@ -2022,7 +2022,7 @@ def _memory_after_a_step(replicate):
     shard_storages = {shard.untyped_storage().data_ptr() for shard in fsdp.shards}
     views = all(param.untyped_storage().data_ptr() in shard_storages for param in model.parameters())
     return (sum(t.numel() * t.element_size() for t in tensors), gpt.GPT(config).num_params(),
-            sum(flat.padding for flat in flats), len(flats), len(fsdp.gathered), views)
+            sum(flat.padding for flat in flats), len(flats), sum(flat.is_gathered() for flat in flats), views)
 
 
 @pytest.mark.parametrize("world_size, replicate", [(2, 1), (3, 1), (4, 2)])
