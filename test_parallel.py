@@ -1960,6 +1960,34 @@ def test_hsdp_sends_its_formula(corpus, tmp_path_factory):
     assert abs(assert_sends_its_formula(collectives, terms, 2) - sum(term.bytes for term in terms)) <= 8
 
 
+def test_fsdp_cpu_offload_matches_single(corpus, tmp_path_factory):
+    """--cpu_offload, ours and FSDP2's CPUOffloadPolicy, 2 ranks: shards, gradients and AdamW on the host, AdamW
+    stepping there, the units gathered on the device. Here both sides are the CPU, so the copies are CPU to CPU: this
+    proves the bookkeeping (every shard to the gather, every gradient back, clipping, micro-steps adding up)."""
+    ours, _ = fsdp_run(corpus, tmp_path_factory, 2, cpu_offload=True)
+    theirs, _ = fsdp_run(corpus, tmp_path_factory, 2, cpu_offload=True, impl="torch")
+    assert_runs_match(ours, single_run(corpus, tmp_path_factory))
+    assert_runs_match(theirs, ours)
+
+
+def test_2d_cpu_offload_matches_single(corpus, tmp_path_factory):
+    """train_2d.py --cpu_offload: each rank's FSDP shards of its TP slices on the host, as train_fsdp.py's."""
+    run = run_2d(corpus, tmp_path_factory, 4, tp=2, dp=2, sequence_parallel=True, cpu_offload=True)
+    assert_runs_match(run, single_run(corpus, tmp_path_factory))
+
+
+@launches_its_own_ranks  # 2 ranks, then train_single.py in this process
+@one_thread()
+def test_fsdp_cpu_offload_resumes_in_another_layout(corpus, tmp_path, tmp_path_factory):
+    """A checkpoint saved under train_fsdp.py --cpu_offload (shards and AdamW moments on the host) resumes under
+    train_single.py and goes on as the unbroken run: the offloaded tensors are saved whole and by name."""
+    saved = tmp_path / "offloaded"
+    argv = flags(corpus, saved, ckpt_interval=3, cpu_offload=True)
+    assert run_distributed(2, _train_until, train_fsdp.main, 4, argv) == ["crashed"] * 2
+    train_single.main(flags(corpus, saved, ckpt_interval=3, resume=True))
+    assert_runs_match(read_run(str(saved)), single_run(corpus, tmp_path_factory))
+
+
 @torch.no_grad()
 def named_full_parameters(fsdp):
     """(name, full float32 tensor) of every parameter of a FullyShardedDataParallel, gathered one flat buffer at a

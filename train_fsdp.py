@@ -30,14 +30,14 @@ class FlatParameter:
     buffer whose storage is allocated for each all-gather and freed after use, as FSDP does. Autograd keeps the views
     it saved for backward; they point into the storage again once the next gather has refilled it."""
 
-    def __init__(self, entries, wrapper, device, initial_value):
+    def __init__(self, entries, wrapper, initial_value):
         self.wrapper = wrapper
         self.world = dist.get_world_size(wrapper.group)
         total = sum(param.numel() for _, param, _ in entries)
         self.shard_size = -(-total // self.world)  # rounded up
         self.padding = self.shard_size * self.world - total
         self.decay = entries[0][1].dim() >= 2  # one kind a buffer: the first parameter speaks for all
-        self.shard = nn.Parameter(torch.zeros(self.shard_size, device=device), entries[0][1].requires_grad)
+        self.shard = nn.Parameter(torch.zeros(self.shard_size, **wrapper.shard_memory), entries[0][1].requires_grad)
         self.full = None  # allocated by the first all-gather, its storage freed after each use and refilled for the next
         self.gathering = None  # the all-gather in flight, and the tensor it reads
         self.params = []  # one record a parameter: its name, shape, uses, registered piece and that piece's span
@@ -69,9 +69,12 @@ class FlatParameter:
     def start_gather(self):
         if not self.is_gathered():
             if self.full is None:
-                self.full = self.shard.new_empty(self.shard_size * self.world, dtype=self.wrapper.compute_dtype)
+                self.full = torch.empty(self.shard_size * self.world, dtype=self.wrapper.compute_dtype,
+                                        device=self.wrapper.device)
             self.full.untyped_storage().resize_(self.full.nbytes)
-            sent = self.shard.detach().to(self.full.dtype)  # cast first: bf16 moves half the bytes
+            # --cpu_offload: the shard crosses to the device first, not waited for: issued with the prefetch
+            sent = self.shard.detach().to(self.full.device, non_blocking=True)
+            sent = sent.to(self.full.dtype)  # cast before sending: bf16 moves half the bytes
             self.gathering = (all_gather_single(self.full, sent, group=self.wrapper.group, async_op=True), sent)
 
     def wait_gather(self):
@@ -149,7 +152,8 @@ def current_value(params, name, shape, box, flat):  # a module not on meta: the 
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 on any nn.Module. The root and each of `units` (default: its `blocks`, listed in the order their forwards
     run: each prefetches the next) are gathered one at a time to compute in `compute_dtype`; shards, AdamW and gradient
-    reduction stay float32. initial_value(name, shape, box, flat), as training.initial_values, gives elements [flat[0],
+    reduction stay float32 (cpu_offload: shards, their gradients and AdamW on the host, the gathers on `device`).
+    initial_value(name, shape, box, flat), as training.initial_values, gives elements [flat[0],
     flat[1]) of full[box] (needed on meta). tp_boxes {name: (full shape, box)}: train_2d.py's tensor-parallel slices.
     replicate_group (HSDP): the ranks holding the same shards as this one, in the other copies of process_group; each
     reduce-scattered gradient shard is then averaged over them. Its parameters (named_parameters, state_dict) are this
@@ -157,16 +161,20 @@ class FullyShardedDataParallel(nn.Module):
     to step whole (the pieces can be stepped instead)."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
-                 reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None):
+                 reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None, cpu_offload=False):
         super().__init__()
         self.module = module
+        self.device = torch.device(device)
+        self.cpu_offload = cpu_offload
+        pinned = dict(device="cpu", pin_memory=torch.cuda.is_available())  # pinned: a copy to the device need not wait
+        self.shard_memory = pinned if cpu_offload else dict(device=device)  # shards and their gradients
         self.group = process_group or dist.group.WORLD
         self.replicate_group = replicate_group
         self.compute_dtype = compute_dtype
         self.reshard_after_forward = reshard_after_forward
         self.tp_boxes = tp_boxes or {}
         initial_value = initial_value or partial(current_value, dict(module.named_parameters()))
-        self.units = [[FlatParameter(entries, self, device, initial_value) for entries in unit.values()]
+        self.units = [[FlatParameter(entries, self, initial_value) for entries in unit.values()]
                       for unit in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
         self.shards = [flat.shard for flat in self.flats]  # not registered: the module's names list this rank's pieces
@@ -233,6 +241,8 @@ class FullyShardedDataParallel(nn.Module):
             work.wait()
             if self.replicate_group is not None:  # HSDP: averaged over the shard group, now over its copies too
                 dist.all_reduce(piece, op=dist.ReduceOp.AVG, group=self.replicate_group)
+            if self.cpu_offload:  # back to the host, where AdamW steps; the host waits: it reads them next
+                piece = torch.empty(flat.shard_size, **self.shard_memory).copy_(piece)
             flat.shard.grad = piece if flat.shard.grad is None else flat.shard.grad.add_(piece)  # micro-steps add up
             for param in flat.params:
                 param.local.grad = flat.shard.grad[param.span]
@@ -246,8 +256,8 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm):
         """The whole model's gradient norm: the shards are disjoint parts of it (padding's gradient is zero; HSDP's
         copies of the shard group hold the same)."""
-        total = sum(shard.grad.pow(2).sum() for shard in self.shards if shard.grad is not None)
-        dist.all_reduce(total, group=self.group)  # one number: the squared norm of the whole model
+        total = sum(shard.grad.pow(2).sum() for shard in self.shards if shard.grad is not None).to(self.device)
+        dist.all_reduce(total, group=self.group)  # one number: the squared norm of the whole model, on the device
         norm = total.sqrt()
         nn.utils.clip_grads_with_norm_(self.shards, max_norm, norm)
         return norm
@@ -275,6 +285,8 @@ def main(argv=None):
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
     parser.add_argument("--no_deferred_init", action="store_true",
                         help="build the whole model first (default: on meta; each rank initialises only its shards)")
+    parser.add_argument("--cpu_offload", action="store_true",
+                        help="keep the float32 shards, their gradients and AdamW on the host; AdamW steps there")
     parser.add_argument("--replicate", type=training.positive_int, default=1,
                         help="HSDP: shard over world / R consecutive ranks (a node), replicate over the R groups")
     args = parser.parse_args(argv)
@@ -315,7 +327,8 @@ def main(argv=None):
     else:
         model = FullyShardedDataParallel(model, process_group=shard_group, device=device,
                                          compute_dtype=getattr(torch, args.dtype), reshard_after_forward=not
-                                         args.no_reshard, initial_value=value, replicate_group=replicate_group)
+                                         args.no_reshard, initial_value=value, replicate_group=replicate_group,
+                                         cpu_offload=args.cpu_offload)
         groups = model.parameter_groups()
         clip_grad_norm = model.clip_grad_norm_
         parts = [checkpoint.Part(*where) for where in model.parts()]
