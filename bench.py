@@ -20,7 +20,8 @@ DistributedDataParallel's C++ reducer and for DTensor's functional collectives) 
 rank with the ring-algorithm factors, next to the formula each strategy should meet: plan.comm_formula() lists every
 collective of a step (what it moves, how many, the bytes), with the backend's own factors (gloo's reduce-scatter is an
 all-reduce); so are each rank's model states (parameters, gradients, AdamW state), measured after an optimizer step
-beside plan.plan_memory's. zero1 and zero2 are train_zero.py's stages, hsdp train_fsdp.py --replicate 2 on 4 ranks;
+beside plan.plan_memory's. zero1 and zero2 are train_zero.py's stages, hsdp train_fsdp.py --replicate 2 on 4 ranks,
+fsdp_cpu_offload train_fsdp.py --cpu_offload;
 tp_sequence_parallel and tp_no_loss_parallel are train_tp.py's other two modes.
 On CPU, ranks get one thread each; so does the single-device baseline the scaling efficiency is measured against.
 """
@@ -101,7 +102,8 @@ def memory_held(measured):
     """While inside, a training script's main() run in this process records in `measured` what its rank holds:
     bytes of parameters, gradients and optimizer state after the first optimizer step, and of the tensors autograd
     saves for backward during the first micro-batch's forward ("activations"), each storage once. Our FSDP's
-    gathered `full` buffers are weights, freed after use, and the rank's parameters are never activations; a checkpointed block's inputs are (torch's checkpoint saves them)."""
+    gathered `full` buffers are weights, freed after use, and the rank's parameters are never activations; a
+    checkpointed block's inputs are (torch's checkpoint saves them)."""
     from torch.distributed.tensor import DTensor
 
     saved, parameters, flats = {}, set(), []  # flats: our FSDP's, whose gathered `full` buffers are weights
@@ -239,6 +241,8 @@ def strategies(args):
         "zero2": Strategy("train_zero.py", 2, ["--stage", "2"] + buckets, ["ours"], 2,  # PyTorch has no ZeRO-2
                           formula("zero", dp=2, stage=2), states("zero", 2, 2, stage=2)),
         "fsdp": Strategy("train_fsdp.py", 2, [], ours_and_torch, 2, formula("fsdp", dp=2), states("fsdp", 2, 2)),
+        "fsdp_cpu_offload": Strategy("train_fsdp.py", 2, ["--cpu_offload"], ours_and_torch, 2, formula("fsdp", dp=2),
+                                     states("fsdp", 2, 2)),  # on CPU both sides are the host: the bookkeeping's cost
         "hsdp": Strategy("train_fsdp.py", 4, ["--replicate", "2"], ours_and_torch, 2,  # groups of 2, the loss over 4
                          formula("fsdp", dp=4, replicate=2), states("fsdp", 4, 4, replicate=2)),
         "tp": Strategy("train_tp.py", 2, ["--tp", "2"] + sequence_parallel, ours_and_torch, 2,

@@ -38,7 +38,7 @@ class FlatParameter:
         self.padding = self.shard_size * self.world - total
         self.decay = entries[0][1].dim() >= 2  # one kind a buffer: the first parameter speaks for all
         self.shard = nn.Parameter(torch.zeros(self.shard_size, **wrapper.shard_memory), entries[0][1].requires_grad)
-        self.full = None  # allocated by the first all-gather, its storage freed after each use and refilled for the next
+        self.full = None  # allocated by the first all-gather; its storage freed after each use, refilled for the next
         self.gathering = None  # the all-gather in flight, and the tensor it reads
         self.params = []  # one record a parameter: its name, shape, uses, registered piece and that piece's span
         self.parts = []  # checkpoint.Part's fields: (name, full shape, box, [begin, end) of the box, shard, start)
@@ -86,7 +86,7 @@ class FlatParameter:
     def use_views(self):
         """Each parameter's uses read its view of `full`, through which its gradient reaches the reduce-scatter. The
         view goes in the module's __dict__: normal attribute lookup finds it there first, and nn.Module.__getattr__,
-        which gives the registered piece, runs only when that lookup fails. named_parameters() still lists the pieces."""
+        which gives the registered piece, runs only when that lookup fails. named_parameters() lists the pieces."""
         # .data: the same storage under a version counter of its own, which the all-gathers' writes into `full` leave
         # alone: refilling it with the same weights changes nothing autograd saved. Without a gradient: no graph.
         full = ReduceScatterGrad.apply(self.shard, self.full.data, self)
@@ -152,16 +152,15 @@ def current_value(params, name, shape, box, flat):  # a module not on meta: the 
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 on any nn.Module. The root and each of `units` (default: its `blocks`, listed in the order their forwards
     run: each prefetches the next) are gathered one at a time to compute in `compute_dtype`; shards, AdamW and gradient
-    reduction stay float32 (cpu_offload: shards, their gradients and AdamW on the host, the gathers on `device`).
-    initial_value(name, shape, box, flat), as training.initial_values, gives elements [flat[0],
-    flat[1]) of full[box] (needed on meta). tp_boxes {name: (full shape, box)}: train_2d.py's tensor-parallel slices.
-    replicate_group (HSDP): the ranks holding the same shards as this one, in the other copies of process_group; each
-    reduce-scattered gradient shard is then averaged over them. Its parameters (named_parameters, state_dict) are this
-    rank's pieces of the module's, by their names: views into the shards, which parameter_groups() gives an optimizer
-    to step whole (the pieces can be stepped instead)."""
+    reduction stay float32 (cpu_offload: shards, their gradients and AdamW on the host). initial_value(name, shape, box,
+    flat), as training.initial_values, gives elements [flat[0], flat[1]) of full[box] (needed on meta). tp_boxes {name:
+    (full shape, box)}: train_2d.py's tensor-parallel slices. replicate_group (HSDP): the ranks holding this rank's
+    shards in the other copies of process_group, over which each gradient shard is averaged too. Its parameters are
+    this rank's pieces of the module's, by their names: views into the shards, which parameter_groups() gives AdamW."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
-                 reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None, cpu_offload=False):
+                 reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None,
+                 cpu_offload=False):
         super().__init__()
         self.module = module
         self.device = torch.device(device)
