@@ -22,7 +22,8 @@ DistributedDataParallel's C++ reducer and for DTensor's functional collectives) 
 rank with the ring-algorithm factors, next to the formula each strategy should meet: plan.comm_formula() lists every
 collective of a step (what it moves, how many, the bytes), with the backend's own factors (gloo's reduce-scatter is an
 all-reduce); so are each rank's model states (parameters, gradients, AdamW state), measured after an optimizer step
-beside plan.plan_memory's. zero1 and zero2 are train_zero.py's stages, hsdp train_fsdp.py --replicate 2 on 4 ranks;
+beside plan.plan_memory's. zero1 and zero2 are train_zero.py's stages, hsdp train_fsdp.py --replicate 2 on 4 ranks,
+fsdp_cpu_offload train_fsdp.py --cpu_offload;
 tp_sequence_parallel and tp_no_loss_parallel are train_tp.py's other two modes.
 On CPU, ranks get one thread each; so does the single-device baseline the scaling efficiency is measured against.
 """
@@ -107,30 +108,27 @@ def after_each_step(callback):
 def memory_held(measured):
     """While inside, a training script's main() run in this process records in `measured` what its rank holds:
     bytes of parameters, gradients and optimizer state after the first optimizer step, and of the tensors autograd
-    saves for backward during the first micro-batch's forward ("activations"), each storage once. Under our FSDP
-    its own pack hook decides what is kept (gathered weights by reference, so they are not counted); the rank's
-    parameters are never activations; a checkpointed block's inputs are (torch's checkpoint saves them)."""
+    saves for backward during the first micro-batch's forward ("activations"), each storage once. Our FSDP's
+    gathered `full` buffers are weights, freed after use, and the rank's parameters are never activations; a
+    checkpointed block's inputs are (torch's checkpoint saves them)."""
     from torch.distributed.tensor import DTensor
 
-    saved, parameters = {}, set()
+    saved, parameters, flats = {}, set(), []  # flats: our FSDP's, whose gathered `full` buffers are weights
     # --impl torch's tensor parallelism: a DTensor has no storage of its own; its local tensor does.
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
 
     def keep(tensor):
         storage = local(tensor).untyped_storage()
-        if storage.data_ptr() not in parameters:
+        if storage.data_ptr() not in parameters | {flat.full.data_ptr() for flat in flats if flat.is_gathered()}:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    real_pack, real_wrap_blocks = train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks
-
-    def fsdp_pack(self, tensor):
-        packed = real_pack(self, tensor)
-        return keep(packed) if packed is tensor else packed
+    real_wrap_blocks = training.wrap_blocks
 
     def wrap_blocks(model, *args):  # every script calls it once, on the model its loop runs
         model = real_wrap_blocks(model, *args)
         parameters.update(local(p).untyped_storage().data_ptr() for p in model.parameters())
+        flats.extend(getattr(model, "flats", []))
         forward = model.forward
 
         def counted(*inputs):
@@ -154,14 +152,14 @@ def memory_held(measured):
                             optimizer=sum(local(t).nbytes for state in optimizer.state.values()
                                           for t in state.values()))
 
-    train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks = fsdp_pack, wrap_blocks
+    training.wrap_blocks = wrap_blocks
     handles = after_each_step(after_step)
     try:
         yield measured
     finally:
         for handle in handles:
             handle.remove()
-        train_fsdp.FullyShardedDataParallel._pack, training.wrap_blocks = real_pack, real_wrap_blocks
+        training.wrap_blocks = real_wrap_blocks
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -250,6 +248,8 @@ def strategies(args):
         "zero2": Strategy("train_zero.py", 2, ["--stage", "2"] + buckets, ["ours"], 2,  # PyTorch has no ZeRO-2
                           formula("zero", dp=2, stage=2), states("zero", 2, 2, stage=2)),
         "fsdp": Strategy("train_fsdp.py", 2, [], ours_and_torch, 2, formula("fsdp", dp=2), states("fsdp", 2, 2)),
+        "fsdp_cpu_offload": Strategy("train_fsdp.py", 2, ["--cpu_offload"], ours_and_torch, 2, formula("fsdp", dp=2),
+                                     states("fsdp", 2, 2)),  # on CPU both sides are the host: the bookkeeping's cost
         "hsdp": Strategy("train_fsdp.py", 4, ["--replicate", "2"], ours_and_torch, 2,  # groups of 2, the loss over 4
                          formula("fsdp", dp=4, replicate=2), states("fsdp", 4, 4, replicate=2)),
         "tp": Strategy("train_tp.py", 2, ["--tp", "2"] + sequence_parallel, ours_and_torch, 2,

@@ -650,7 +650,7 @@ def _fsdp_optimizer_groups():
     _, fsdp, _ = _build(gpt.make_config("tiny", vocab_size=256, block_size=32))
     args = training.get_parser("").parse_args(["--weight_decay", "0.25"])
     optimizer = training.make_optimizer(fsdp.parameter_groups(), args, torch.device("cpu"))
-    names = {flat.shard: flat.names for flat in fsdp.flats}
+    names = {flat.shard: [param.name for param in flat.params] for flat in fsdp.flats}
     return [(group["weight_decay"], [names[shard] for shard in group["params"]]) for group in optimizer.param_groups]
 
 
@@ -1967,6 +1967,34 @@ def test_hsdp_sends_its_formula(corpus, tmp_path_factory):
     assert abs(assert_sends_its_formula(collectives, terms, 2) - sum(term.bytes for term in terms)) <= 8
 
 
+def test_fsdp_cpu_offload_matches_single(corpus, tmp_path_factory):
+    """--cpu_offload, ours and FSDP2's CPUOffloadPolicy, 2 ranks: shards, gradients and AdamW on the host, AdamW
+    stepping there, the units gathered on the device. Here both sides are the CPU, so the copies are CPU to CPU: this
+    proves the bookkeeping (every shard to the gather, every gradient back, clipping, micro-steps adding up)."""
+    ours, _ = fsdp_run(corpus, tmp_path_factory, 2, cpu_offload=True)
+    theirs, _ = fsdp_run(corpus, tmp_path_factory, 2, cpu_offload=True, impl="torch")
+    assert_runs_match(ours, single_run(corpus, tmp_path_factory))
+    assert_runs_match(theirs, ours)
+
+
+def test_2d_cpu_offload_matches_single(corpus, tmp_path_factory):
+    """train_2d.py --cpu_offload: each rank's FSDP shards of its TP slices on the host, as train_fsdp.py's."""
+    run = run_2d(corpus, tmp_path_factory, 4, tp=2, dp=2, sequence_parallel=True, cpu_offload=True)
+    assert_runs_match(run, single_run(corpus, tmp_path_factory))
+
+
+@launches_its_own_ranks  # 2 ranks, then train_single.py in this process
+@one_thread()
+def test_fsdp_cpu_offload_resumes_in_another_layout(corpus, tmp_path, tmp_path_factory):
+    """A checkpoint saved under train_fsdp.py --cpu_offload (shards and AdamW moments on the host) resumes under
+    train_single.py and goes on as the unbroken run: the offloaded tensors are saved whole and by name."""
+    saved = tmp_path / "offloaded"
+    argv = flags(corpus, saved, ckpt_interval=3, cpu_offload=True)
+    assert run_distributed(2, _train_until, train_fsdp.main, 4, argv) == ["crashed"] * 2
+    train_single.main(flags(corpus, saved, ckpt_interval=3, resume=True))
+    assert_runs_match(read_run(str(saved)), single_run(corpus, tmp_path_factory))
+
+
 @torch.no_grad()
 def named_full_parameters(fsdp):
     """(name, full float32 tensor) of every parameter of a FullyShardedDataParallel, gathered one flat buffer at a
@@ -1974,8 +2002,8 @@ def named_full_parameters(fsdp):
     for flat in fsdp.flats:
         full = torch.empty(flat.shard_size * flat.world, device=flat.shard.device)
         train_fsdp.all_gather_single(full, flat.shard.detach(), group=fsdp.group)
-        for name, shape, piece in zip(flat.names, flat.shapes, full.split(flat.sizes + [flat.padding])):
-            yield name, piece.view(shape)
+        for param, view in zip(flat.params, flat.views(full)):
+            yield param.name, view
 
 
 def _build(config, seed=5, init_from=None, **groups):
@@ -1992,7 +2020,7 @@ def _deferred_init():
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     model, fsdp, largest = _build(config)
     full = {name: tensor.numpy() for name, tensor in named_full_parameters(fsdp)}
-    return largest, max(flat.shard_size for flat in fsdp.flats), [sum(flat.sizes) for flat in fsdp.flats], full
+    return largest, max(flat.shard_size for flat in fsdp.flats), [flat.shard_size * flat.world - flat.padding for flat in fsdp.flats], full
 
 
 def test_fsdp_deferred_init_holds_one_parameter_at_a_time(corpus):
@@ -2029,7 +2057,7 @@ def _memory_after_a_step(replicate):
     shard_storages = {shard.untyped_storage().data_ptr() for shard in fsdp.shards}
     views = all(param.untyped_storage().data_ptr() in shard_storages for param in model.parameters())
     return (sum(t.numel() * t.element_size() for t in tensors), gpt.GPT(config).num_params(),
-            sum(flat.padding for flat in flats), len(flats), len(fsdp.gathered), views)
+            sum(flat.padding for flat in flats), len(flats), sum(flat.is_gathered() for flat in flats), views)
 
 
 @pytest.mark.parametrize("world_size, replicate", [(2, 1), (3, 1), (4, 2)])

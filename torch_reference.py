@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -75,8 +75,10 @@ def materialise(model, config, args, device):
 def shard_units(model, mesh, args):
     """FSDP2 on each block, then on the root: the units of our FullyShardedDataParallel."""
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if args.cpu_offload else OffloadPolicy()
     for module in [*model.blocks, model]:
-        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=not args.no_reshard)
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=not args.no_reshard,
+                    offload_policy=offload)
 
 
 def fully_shard_model(model, config, args, device):
@@ -85,7 +87,7 @@ def fully_shard_model(model, config, args, device):
         device.type, (args.replicate, dist.get_world_size() // args.replicate), mesh_dim_names=("replicate", "shard"))
     shard_units(model, mesh, args)
     if not args.no_deferred_init:
-        materialise(model, config, args, device)
+        materialise(model, config, args, torch.device("cpu") if args.cpu_offload else device)  # offloaded: the host
     return model, training.decay_groups(model.parameters()), partial(clip_grad_norm_, list(model.parameters()))
 
 
@@ -102,7 +104,7 @@ def fully_shard_tensor_parallel(model, config, args, device, tp, dp):
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_with_dtensor(model, mesh["tp"], args.sequence_parallel, not args.no_loss_parallel)
     shard_units(model, mesh["dp"], args)
-    materialise(model, config, args, device)
+    materialise(model, config, args, torch.device("cpu") if args.cpu_offload else device)  # offloaded: the host
     return model, training.decay_groups(model.parameters()), partial(clip_grad_norm_, list(model.parameters()))
 
 

@@ -51,6 +51,8 @@ def main(argv=None):
     parser.add_argument("--sequence_parallel", action="store_true", help="layer norms and dropout on sequence shards")
     parser.add_argument("--no_loss_parallel", action="store_true", help="gather the logits instead")
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
+    parser.add_argument("--cpu_offload", action="store_true",
+                        help="keep the float32 shards, their gradients and AdamW on the host; AdamW steps there")
     args = parser.parse_args(argv)
 
     # ---- process groups: a dp x tp grid; tensor-parallel peers share a data-parallel rank and its rows
@@ -91,7 +93,7 @@ def main(argv=None):
         model = train_fsdp.FullyShardedDataParallel(
             model, process_group=dp_group, device=device, compute_dtype=getattr(torch, args.dtype),
             reshard_after_forward=not args.no_reshard, tp_boxes={name: (p.shape, p.box) for name, p in tp_parts.items()},
-            initial_value=value)
+            initial_value=value, cpu_offload=args.cpu_offload)
         groups, parts = model.parameter_groups(), [checkpoint.Part(*where) for where in model.parts()]
         clip_grad_norm = partial(train_tp.clip_grad_norm_, list(model.named_parameters()), tp_group=tp_group)
     optimizer = training.make_optimizer(groups, args, device)

@@ -10,6 +10,7 @@ Reads top to bottom: arguments -> process groups -> model -> strategy -> loop ->
 """
 
 import time
+from collections import namedtuple
 from contextlib import nullcontext
 from functools import partial
 
@@ -25,68 +26,89 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatt
 
 class FlatParameter:
     """One unit's parameters of one kind end to end, padded to a multiple of N. This rank keeps 1/N, `shard` (float32
-    master weights), and registers each parameter as its piece of it; while gathered, views of `full` shadow them."""
+    master weights), and registers each parameter as its piece of it. `full` is the whole, in the compute dtype: one
+    buffer whose storage is allocated for each all-gather and freed after use, as FSDP does. Autograd keeps the views
+    it saved for backward; they point into the storage again once the next gather has refilled it."""
 
-    def __init__(self, entries, wrapper, device, initial_value):
-        self.names, params, self.uses = zip(*entries)  # uses: the (module, attribute) pairs holding a parameter
+    def __init__(self, entries, wrapper, initial_value):
         self.wrapper = wrapper
         self.world = dist.get_world_size(wrapper.group)
-        self.shapes = [param.shape for param in params]
-        self.sizes = [param.numel() for param in params]
-        self.decay = params[0].dim() >= 2  # one kind a buffer: the first parameter speaks for all
-        self.shard_size = -(-sum(self.sizes) // self.world)  # rounded up
-        self.padding = self.shard_size * self.world - sum(self.sizes)
-        self.shard = nn.Parameter(torch.zeros(self.shard_size, device=device), requires_grad=params[0].requires_grad)
-        self.spans = []  # where each parameter's piece lies in the shard; empty if it lies in other ranks' shards
-        self.locals = []  # each parameter's piece, registered in its place: the module's names reach this rank's part
+        total = sum(param.numel() for _, param, _ in entries)
+        self.shard_size = -(-total // self.world)  # rounded up
+        self.padding = self.shard_size * self.world - total
+        self.decay = entries[0][1].dim() >= 2  # one kind a buffer: the first parameter speaks for all
+        self.shard = nn.Parameter(torch.zeros(self.shard_size, **wrapper.shard_memory), entries[0][1].requires_grad)
+        self.full = None  # allocated by the first all-gather; its storage freed after each use, refilled for the next
+        self.gathering = None  # the all-gather in flight, and the tensor it reads
+        self.params = []  # one record a parameter: its name, shape, uses, registered piece and that piece's span
         self.parts = []  # checkpoint.Part's fields: (name, full shape, box, [begin, end) of the box, shard, start)
-        offset = -dist.get_rank(wrapper.group) * self.shard_size  # the next parameter's start, from the shard's
-        for name, param, uses in zip(self.names, params, self.uses):
-            start = max(offset, 0)
-            stop = max(start, min(offset + param.numel(), self.shard_size))
-            self.spans.append(slice(start, stop))
-            self.locals.append(nn.Parameter(self.shard.detach()[start:stop], param.requires_grad))
+        first = dist.get_rank(wrapper.group) * self.shard_size  # this rank's first element of the flat parameter
+        offset = 0  # the next parameter's first element
+        for name, param, uses in entries:
+            start = min(max(offset - first, 0), self.shard_size)  # [start, stop): where it falls in this shard
+            stop = min(max(offset + param.numel() - first, 0), self.shard_size)
+            local = nn.Parameter(self.shard.detach()[start:stop], param.requires_grad)  # empty if on other ranks
             for module, attribute in uses:
-                module._parameters[attribute] = self.locals[-1]
+                module._parameters[attribute] = local  # the module's names reach this rank's piece
+            self.params.append(FlatMember(name, param.shape, uses, local, slice(start, stop)))
             if start < stop:  # deferred init: one piece of one parameter at a time, never a whole buffer
-                piece = (start - offset, stop - offset)
+                piece = (first + start - offset, first + stop - offset)
                 shape, box = wrapper.tp_boxes.get(name, (param.shape, [(0, n) for n in param.shape]))
                 self.shard.detach()[start:stop] = initial_value(name, shape, box, piece)  # the padding stays zero
                 self.parts.append((name, shape, box, piece, self.shard, start))
             offset += param.numel()
-        self.full = None
-        self.work = None  # the all-gather in flight, and the tensor it reads
 
-    def gather(self, wait=True):
-        """Start the all-gather of `full` unless it is gathered or on its way; then, if `wait`, wait for it."""
-        if self.full is None:
-            sent = self.shard.detach().to(self.wrapper.compute_dtype)  # cast first: bf16 moves half the bytes
-            self.full = sent.new_empty(self.shard_size * self.world)
-            self.work = (all_gather_single(self.full, sent, group=self.wrapper.group, async_op=True), sent)
-            self.wrapper.gathered[self.full.data_ptr()] = self  # a fresh buffer: its storage's address
-        if wait and self.work is not None:
-            self.work[0].wait()
-            self.work = None  # and with it `sent`, held until the collective had read it
+    def views(self, full):
+        """Each parameter's view of a whole flat buffer, in its shape; the padding at the end left out."""
+        pieces = full.split([param.shape.numel() for param in self.params] + [self.padding])
+        return [piece.view(param.shape) for piece, param in zip(pieces, self.params)]
+
+    def is_gathered(self):  # or on its way
+        return self.full is not None and self.full.untyped_storage().nbytes() > 0
+
+    def start_gather(self):
+        if not self.is_gathered():
+            if self.full is None:
+                self.full = torch.empty(self.shard_size * self.world, dtype=self.wrapper.compute_dtype,
+                                        device=self.wrapper.device)
+            self.full.untyped_storage().resize_(self.full.nbytes)
+            # --cpu_offload: the shard crosses to the device first, not waited for: issued with the prefetch
+            sent = self.shard.detach().to(self.full.device, non_blocking=True)
+            sent = sent.to(self.full.dtype)  # cast before sending: bf16 moves half the bytes
+            self.gathering = (all_gather_single(self.full, sent, group=self.wrapper.group, async_op=True), sent)
+
+    def wait_gather(self):
+        self.start_gather()
+        if self.gathering is not None:
+            self.gathering[0].wait()
+            self.gathering = None  # and with it `sent`, held until the collective had read it
 
     def use_views(self):
-        """Shadow each parameter with its view of `full`; through Unshard their gradients reach the reduce-scatter."""
-        full = Unshard.apply(self.shard, self.full, self)  # records nothing without autograd or gradient
-        for view, shape, uses in zip(full.split(self.sizes + [self.padding]), self.shapes, self.uses):
-            for module, attribute in uses:
-                module.__dict__[attribute] = view.view(shape)
+        """Each parameter's uses read its view of `full`, through which its gradient reaches the reduce-scatter. The
+        view goes in the module's __dict__: normal attribute lookup finds it there first, and nn.Module.__getattr__,
+        which gives the registered piece, runs only when that lookup fails. named_parameters() lists the pieces."""
+        # .data: the same storage under a version counter of its own, which the all-gathers' writes into `full` leave
+        # alone: refilling it with the same weights changes nothing autograd saved. Without a gradient: no graph.
+        full = ReduceScatterGrad.apply(self.shard, self.full.data, self)
+        for param, view in zip(self.params, self.views(full)):
+            for module, attribute in param.uses:
+                module.__dict__[attribute] = view
 
     def free(self):
-        if self.full is not None:
-            self.gather()  # a prefetch nobody used lands before its buffer goes
-            del self.wrapper.gathered[self.full.data_ptr()]
-            self.full = None
-        for uses in self.uses:
-            for module, attribute in uses:
+        if self.is_gathered():
+            self.wait_gather()  # a prefetch nobody used lands before its storage goes
+            self.full.untyped_storage().resize_(0)
+        for param in self.params:
+            for module, attribute in param.uses:
                 module.__dict__.pop(attribute, None)  # the registered piece shows again
 
 
-class Unshard(torch.autograd.Function):
-    """Identity from the shard to `full`: autograd hands its backward the whole buffer's gradient, once."""
+FlatMember = namedtuple("FlatMember", "name shape uses local span")  # uses: every (module, attribute) holding it
+
+
+class ReduceScatterGrad(torch.autograd.Function):
+    """Identity from the shard to `full`, so the weights' views hang from the shard in the graph: its backward gets
+    the whole buffer's gradient, once, reduce-scatters it into the shard's gradient and frees `full`."""
 
     @staticmethod
     def forward(ctx, shard, full, flat):
@@ -130,25 +152,28 @@ def current_value(params, name, shape, box, flat):  # a module not on meta: the 
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 on any nn.Module. The root and each of `units` (default: its `blocks`, listed in the order their forwards
     run: each prefetches the next) are gathered one at a time to compute in `compute_dtype`; shards, AdamW and gradient
-    reduction stay float32. initial_value(name, shape, box, flat), as training.initial_values, gives elements [flat[0],
-    flat[1]) of full[box] (needed on meta). tp_boxes {name: (full shape, box)}: train_2d.py's tensor-parallel slices.
-    replicate_group (HSDP): the ranks holding the same shards as this one, in the other copies of process_group; each
-    reduce-scattered gradient shard is then averaged over them. Its parameters (named_parameters, state_dict) are this
-    rank's pieces of the module's, by their names: views into the shards, which parameter_groups() gives an optimizer
-    to step whole (the pieces can be stepped instead)."""
+    reduction stay float32 (cpu_offload: shards, their gradients and AdamW on the host). initial_value(name, shape, box,
+    flat), as training.initial_values, gives elements [flat[0], flat[1]) of full[box] (needed on meta). tp_boxes {name:
+    (full shape, box)}: train_2d.py's tensor-parallel slices. replicate_group (HSDP): the ranks holding this rank's
+    shards in the other copies of process_group, over which each gradient shard is averaged too. Its parameters are
+    this rank's pieces of the module's, by their names: views into the shards, which parameter_groups() gives AdamW."""
 
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
-                 reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None):
+                 reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None,
+                 cpu_offload=False):
         super().__init__()
         self.module = module
+        self.device = torch.device(device)
+        self.cpu_offload = cpu_offload
+        pinned = dict(device="cpu", pin_memory=torch.cuda.is_available())  # pinned: a copy to the device need not wait
+        self.shard_memory = pinned if cpu_offload else dict(device=device)  # shards and their gradients
         self.group = process_group or dist.group.WORLD
         self.replicate_group = replicate_group
         self.compute_dtype = compute_dtype
         self.reshard_after_forward = reshard_after_forward
         self.tp_boxes = tp_boxes or {}
-        self.gathered = {}  # storage address of a gathered buffer -> its FlatParameter, for the saved-tensor hooks
         initial_value = initial_value or partial(current_value, dict(module.named_parameters()))
-        self.units = [[FlatParameter(entries, self, device, initial_value) for entries in unit.values()]
+        self.units = [[FlatParameter(entries, self, initial_value) for entries in unit.values()]
                       for unit in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
         self.shards = [flat.shard for flat in self.flats]  # not registered: the module's names list this rank's pieces
@@ -159,21 +184,20 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         for flat in self.flats:  # an optimizer dropped one view of a gradient, the shard's or its pieces': drop both
-            if flat.shard.grad is None or any(local.grad is None for local in flat.locals):
+            if flat.shard.grad is None or any(param.local.grad is None for param in flat.params):
                 flat.shard.grad = None
-                for local in flat.locals:
-                    local.grad = None
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return self.module(*args, **kwargs)
+                for param in flat.params:
+                    param.local.grad = None
+        return self.module(*args, **kwargs)
 
     def gather(self, index, direction):
         """Gather unit `index` for its modules; the next one's gather (forward +1, backward -1) starts first."""
         following = self.units[(index + direction) % len(self.units)]  # the units run in the order they are listed
         for flat in self.units[index] + following:
-            flat.gather(wait=False)
+            flat.start_gather()
         with torch.enable_grad() if direction < 0 else nullcontext():  # for --activation_checkpointing's recompute
             for flat in self.units[index]:
-                flat.gather()
+                flat.wait_gather()
                 flat.use_views()
 
     @torch.compiler.disable  # --compile: the model compiles between the units' hooks, which run as written
@@ -202,19 +226,6 @@ class FullyShardedDataParallel(nn.Module):
         for flat in self.flats:  # the root's, frozen ones, a prefetch nobody used: none may outlive the update
             flat.free()
 
-    @torch.compiler.disable
-    def _pack(self, tensor):
-        flat = self.gathered.get(tensor.untyped_storage().data_ptr())  # by reference: a view would keep `full` alive
-        return tensor if flat is None else (flat, tensor.shape, tensor.stride(), tensor.storage_offset())
-
-    @torch.compiler.disable
-    def _unpack(self, saved):
-        if isinstance(saved, torch.Tensor):
-            return saved
-        flat, *view = saved  # shape, stride and offset into `full`
-        flat.gather()  # gathered already, unless its unit's backward freed it (a frozen parameter read later)
-        return flat.full.as_strided(*view)
-
     def reduce_scatter(self, flat, grad):
         """Start averaging the unit's gradient into this rank's piece once the previous one has landed."""
         self.finish_reduce_scatter()
@@ -229,9 +240,11 @@ class FullyShardedDataParallel(nn.Module):
             work.wait()
             if self.replicate_group is not None:  # HSDP: averaged over the shard group, now over its copies too
                 dist.all_reduce(piece, op=dist.ReduceOp.AVG, group=self.replicate_group)
+            if self.cpu_offload:  # back to the host, where AdamW steps; the host waits: it reads them next
+                piece = torch.empty(flat.shard_size, **self.shard_memory).copy_(piece)
             flat.shard.grad = piece if flat.shard.grad is None else flat.shard.grad.add_(piece)  # micro-steps add up
-            for local, span in zip(flat.locals, flat.spans):
-                local.grad = flat.shard.grad[span]
+            for param in flat.params:
+                param.local.grad = flat.shard.grad[param.span]
             self.in_flight = None
 
     def parameter_groups(self):
@@ -242,8 +255,8 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm):
         """The whole model's gradient norm: the shards are disjoint parts of it (padding's gradient is zero; HSDP's
         copies of the shard group hold the same)."""
-        total = sum(shard.grad.pow(2).sum() for shard in self.shards if shard.grad is not None)
-        dist.all_reduce(total, group=self.group)  # one number: the squared norm of the whole model
+        total = sum(shard.grad.pow(2).sum() for shard in self.shards if shard.grad is not None).to(self.device)
+        dist.all_reduce(total, group=self.group)  # one number: the squared norm of the whole model, on the device
         norm = total.sqrt()
         nn.utils.clip_grads_with_norm_(self.shards, max_norm, norm)
         return norm
@@ -271,7 +284,8 @@ def main(argv=None):
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
     parser.add_argument("--no_deferred_init", action="store_true",
                         help="build the whole model first (default: on meta; each rank initialises only its shards)")
-    parser.add_argument("--cpu_offload", action="store_true", help="shards, gradients and AdamW in host memory")
+    parser.add_argument("--cpu_offload", action="store_true",
+                        help="keep the float32 shards, their gradients and AdamW on the host; AdamW steps there")
     parser.add_argument("--replicate", type=training.positive_int, default=1,
                         help="HSDP: shard over world / R consecutive ranks (a node), replicate over the R groups")
     args = parser.parse_args(argv)
@@ -312,7 +326,8 @@ def main(argv=None):
     else:
         model = FullyShardedDataParallel(model, process_group=shard_group, device=device,
                                          compute_dtype=getattr(torch, args.dtype), reshard_after_forward=not
-                                         args.no_reshard, initial_value=value, replicate_group=replicate_group)
+                                         args.no_reshard, initial_value=value, replicate_group=replicate_group,
+                                         cpu_offload=args.cpu_offload)
         groups = model.parameter_groups()
         clip_grad_norm = model.clip_grad_norm_
         parts = [checkpoint.Part(*where) for where in model.parts()]
