@@ -345,7 +345,8 @@ def compare(args, table, chosen, tmp):
     for _ in range(args.rounds):
         for name in chosen:
             strategy = table[name]
-            for impl in strategy.impls + ["baseline"] * bool(args.baseline):
+            impls = [impl for impl in strategy.impls if impl in (None, *args.impls)] + ["baseline"] * bool(args.baseline)
+            for impl in impls:
                 row = run_once(args, name, strategy.script, strategy.ranks, strategy.flags, impl, strategy.group_size,
                                args.global_batch, tmp)
                 runs.setdefault((name, impl, strategy.ranks), []).append(row)
@@ -465,6 +466,8 @@ def main(argv=None):
                    help="comma-separated strategies to run")
     p.add_argument("--sequence_parallel", action="store_true", help="tp and 2d with --sequence_parallel")
     p.add_argument("--rounds", type=int, default=2, help="runs of each strategy and implementation; the best counts")
+    p.add_argument("--impls", type=lambda text: text.split(","), default=["ours", "torch"],
+                   help="comma-separated: ours, torch (default: both)")
     p.add_argument("--baseline", type=os.path.abspath,
                    help="another checkout of this project (an earlier commit): its ours runs too, interleaved")
     p.add_argument("--bucket_mb", type=float, default=25, help="DDP's largest gradient bucket, in MiB")
