@@ -13,6 +13,7 @@ Side-by-side throughput, memory and communication of every strategy, ours agains
     python bench.py --startup --model gpt2-xl        # FSDP rank 0's init and resume at 1, 2, 4, 8 ranks
     python bench.py --what_fits                      # the smallest layout for GPT-2 124M ... GPT-3 175B (plan.py's)
     python bench.py --pipeline --micro_batch 2       # train_pp.py against its formulas: runs bench_pipeline.py
+    python bench.py --strategies tp --baseline ../old   # ours beside an earlier commit: git worktree add ../old REV
 
 Each run is a fresh `torchrun --standalone` of the training script for --steps optimizer steps. Runs are
 interleaved (round 1: ours, torch, ...; round 2: ours, torch, ...) so that drift of the machine hits both sides
@@ -284,13 +285,13 @@ def our_flags(args, global_batch):
         "--dtype", args.dtype] + ["--compile"] * args.compile
 
 
-def launch(script, flags, out_dir, ranks=1, threads=1, env=None, timeout=None):
+def launch(script, flags, out_dir, ranks=1, threads=1, env=None, timeout=None, cwd=HERE):
     """torchrun of one script: (its metrics.jsonl records, its output), or (None, its output) if it failed (an
     out-of-memory, say) or ran past `timeout` seconds."""
     shutil.rmtree(out_dir, ignore_errors=True)  # a previous round's: a fresh run refuses a used --out_dir
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                script] + flags + ["--out_dir", out_dir]
-    process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {})), cwd=HERE,
+    process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {})), cwd=cwd,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output = process.communicate(timeout=timeout)[0]
@@ -309,10 +310,12 @@ def run_once(args, name, script, ranks, extra, impl, group_size, global_batch, t
     sent through collectives during the profiled step (the last but one)."""
     out_dir = os.path.join(tmp, f"{name}-{impl}-{ranks}-{global_batch}")
     comms_path = out_dir + ".comms.json"
-    flags = our_flags(args, global_batch) + extra + (["--impl", impl] if impl else [])
+    flags = our_flags(args, global_batch) + extra + (["--impl", impl] if impl in ("ours", "torch") else [])
     worker_flags = ["--worker", script, "--profile_step", str(args.steps - 1), "--comms_out", comms_path, "--"]
     print(f"{name} {impl or ''} on {ranks} rank(s), global batch {global_batch}", flush=True)
-    records, output = launch(os.path.abspath(__file__), worker_flags + flags, out_dir, ranks, args.threads)
+    folder = args.baseline if impl == "baseline" else HERE  # the baseline: the other checkout's script and worker
+    records, output = launch(os.path.join(folder, "bench.py"), worker_flags + flags, out_dir, ranks, args.threads,
+                             cwd=folder)
     if records is None:
         # torchrun's banners out
         print("\n".join(line for line in output.splitlines() if not re.match(r"[WI]\d{4} ", line))[-8000:])
@@ -356,7 +359,8 @@ def compare(args, table, chosen, tmp):
     for _ in range(args.rounds):
         for name in chosen:
             strategy = table[name]
-            for impl in strategy.impls:
+            impls = [impl for impl in strategy.impls if impl in (None, *args.impls)] + ["baseline"] * bool(args.baseline)
+            for impl in impls:
                 row = run_once(args, name, strategy.script, strategy.ranks, strategy.flags, impl, strategy.group_size,
                                args.global_batch, tmp)
                 runs.setdefault((name, impl, strategy.ranks), []).append(row)
@@ -377,22 +381,23 @@ def compare(args, table, chosen, tmp):
           f"{args.device} {args.dtype}{', sequence parallel' * args.sequence_parallel}, "
           f"{args.threads} thread(s) a rank, best of {args.rounds} rounds, "
           f"median of steps {args.warmup}..{args.steps - 3}")
-    header = (f"{'strategy':20} {'impl':6} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} "
+    header = (f"{'strategy':20} {'impl':8} {'ranks':>5} {'tok/s':>9} {'step ms':>8} {'peak MB':>8} {'mfu':>6} "
               f"{'comm MB/step':>12} {'formula MB':>10} {'colls':>6} {'states MB':>9} {'planned MB':>10}")
     print(header + "\n" + "-" * len(header))
     for row in rows:
         mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-        print(f"{row['strategy']:20} {row['impl'] or '-':6} {row['ranks']:5d} {row['tokens_per_s']:9,.0f} "
+        print(f"{row['strategy']:20} {row['impl'] or '-':8} {row['ranks']:5d} {row['tokens_per_s']:9,.0f} "
               f"{row['step_ms']:8.1f} {row['peak_mem_mb']:8,.0f} {mfu:>6} {row['comm_bytes'] / 2**20:12.2f} "
               f"{row['formula_bytes'] / 2**20:10.2f} {row['collectives']:6d} {row['state_bytes'] / 1e6:9.3f} "
               f"{row['planned_state_bytes'] / 1e6:10.3f}")
     print()
     for name in chosen:
         ours = best.get((name, "ours", table[name].ranks))
-        theirs = best.get((name, "torch", table[name].ranks))
-        if ours and theirs:
-            print(f"{name}: ours/torch tokens/s {ours['tokens_per_s'] / theirs['tokens_per_s']:.3f}, "
-                  f"peak memory {ours['peak_mem_mb'] / theirs['peak_mem_mb']:.3f}")
+        for other in ("torch", "baseline"):
+            theirs = best.get((name, other, table[name].ranks))
+            if ours and theirs:
+                print(f"{name}: ours/{other} tokens/s {ours['tokens_per_s'] / theirs['tokens_per_s']:.3f}, "
+                      f"peak memory {ours['peak_mem_mb'] / theirs['peak_mem_mb']:.3f}")
     if ("single/rank", None, 1) in best and ("ddp", "ours", 2) in best:
         single = best[("single/rank", None, 1)]["tokens_per_s"]
         for impl in ("ours", "torch"):
@@ -612,6 +617,10 @@ def main(argv=None):
                    help="comma-separated strategies to run")
     p.add_argument("--sequence_parallel", action="store_true", help="tp and 2d with --sequence_parallel")
     p.add_argument("--rounds", type=int, default=2, help="runs of each strategy and implementation; the best counts")
+    p.add_argument("--impls", type=lambda text: text.split(","), default=["ours", "torch"],
+                   help="comma-separated: ours, torch (default: both)")
+    p.add_argument("--baseline", type=os.path.abspath,
+                   help="another checkout of this project (an earlier commit): its ours runs too, interleaved")
     p.add_argument("--bucket_mb", type=float, default=25, help="DDP's largest gradient bucket, in MiB")
     p.add_argument("--gpu_check", action="store_true",
                    help="python gpu_check.py with the other flags: a GPU machine's first check (gpu_check.py --help)")

@@ -2479,8 +2479,8 @@ def _layers_alone(sequence_parallel):
     hidden = column_full(x)
     out = row_full(hidden)
     out.backward(grad_out)
-    column = train_tp.ColumnParallelLinear(column_full, group)
-    row = train_tp.RowParallelLinear(row_full, group, sequence_parallel)
+    column = train_tp.ColumnParallelLinear(column_full, group, sequence_parallel)  # starts its region: f
+    row = train_tp.RowParallelLinear(row_full, group, sequence_parallel)  # ends it: g
     for layer, full in ((column, column_full), (row, row_full)):
         with torch.no_grad():
             for name, param in layer.named_parameters():
@@ -2488,7 +2488,7 @@ def _layers_alone(sequence_parallel):
                 param.copy_(getattr(full, name)[tuple(slice(*b) for b in box)] if box else getattr(full, name))
     shard = lambda t, dim: t.chunk(world, dim)[rank]
     local_x = (shard(x, 1) if sequence_parallel else x).detach().requires_grad_()
-    local_hidden = column(train_tp.f(local_x, group, sequence_parallel))
+    local_hidden = column(local_x)
     local_out = row(local_hidden)
     local_out.backward(shard(grad_out, 1) if sequence_parallel else grad_out)
     if sequence_parallel:  # the replicated bias saw this rank's sequence shard only
@@ -2503,8 +2503,8 @@ def _layers_alone(sequence_parallel):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_column_and_row_parallel_linear_alone(sequence_parallel):
-    """f -> ColumnParallelLinear -> RowParallelLinear: outputs, the input's and the weights' gradients are the
-    unsharded nn.Linear's slices (under sequence parallelism: sequence shards)."""
+    """ColumnParallelLinear (f, then its slice) -> RowParallelLinear (its slice, then g): outputs, the input's and the
+    weights' gradients are the unsharded nn.Linear's slices (under sequence parallelism: sequence shards)."""
     for errors in run_distributed(2, _layers_alone, sequence_parallel):
         assert max(errors) < 1e-6, errors
 
@@ -3976,14 +3976,14 @@ def _residual_stream_copies(sequence_parallel, model="tiny"):
 
 
 @pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
-def test_sequence_parallel_collectives_copy_nothing(model):
-    """Under sequence parallelism the all-gathers and reduce-scatters (4 per block, each way) move the sequence-first
-    residual stream as it lies: forward and backward copy a whole [B, T, C] twice only, the LM head's input (made
-    batch-first for the loss) and its gradient. Batch-first shards would need a copy on one side of every collective.
-    Llama's RMSNorm keeps the residual stream sequence-first as LayerNorm does."""
+def test_sequence_parallel_copies_once_a_collective(model):
+    """Under sequence parallelism each all-gather and reduce-scatter of the batch-first residual stream copies one
+    whole [B, T, C] (to or from the rank-after-rank order the collective works in) and nothing else does: 4 per block
+    and 2 more (the embedding's g, the LM head's f), each way (what they cost: README, tensor parallel). Without
+    sequence parallelism: no copy at all."""
     for copies in run_distributed(2, _residual_stream_copies, True, model):
-        assert copies == ["clone.default"] * 2, copies
-    assert run_distributed(2, _residual_stream_copies, False, model) == [[], []]  # without it: no copy either
+        assert copies == ["cat.default"] * 2 * (4 * 4 + 2), copies
+    assert run_distributed(2, _residual_stream_copies, False, model) == [[], []]
 
 
 # ------------------------------------------------------------------------------------------------------------

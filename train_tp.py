@@ -24,54 +24,83 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 # ------------------------------------------------------------------------------------------------------------
-# Megatron-LM's mappings: a collective forward and its conjugate backward. Sequence parallelism splits dim 1 of
-# gpt.py's [batch, sequence, hidden], the vocabulary-parallel logits the last dim. Under sequence parallelism the
-# activations are stored sequence-first, as in Megatron-LM ([sequence, batch, hidden] seen through .transpose(0, 1)),
-# so a collective runs on dim 0 of memory: a shard is a contiguous chunk, never copied.
+# Megatron-LM's mappings: a collective in forward, its conjugate in backward. Activations are gpt.py's [batch,
+# sequence, hidden]; sequence parallelism splits dim 1, so its collectives copy to or from rank-after-rank order.
 
 
-def _all_reduce(x, group, dim):
-    dist.all_reduce(x, group=group)  # in place: x is always a fresh product (a matmul's output or input gradient)
-    return x
+def _all_gather(x, dim, group):  # every rank's x, concatenated along dim
+    gathered = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])  # rank after rank
+    all_gather_single(gathered, x.contiguous(), group=group)
+    return torch.cat(gathered.chunk(dist.get_world_size(group)), dim)
 
 
-def _all_gather(x, group, dim):
-    shard = x.movedim(dim, 0).contiguous()  # a view of a tensor stored dim-first; any other layout is copied
-    out = shard.new_empty(dist.get_world_size(group) * len(shard), *shard.shape[1:])
-    all_gather_single(out, shard, group=group)
-    return out.movedim(0, dim)
+def _reduce_scatter(x, dim, group):  # this rank's chunk, along dim, of the sum of every rank's x
+    world = dist.get_world_size(group)
+    chunks = torch.cat(x.chunk(world, dim))  # chunk i where the collective looks for rank i's
+    out = chunks.new_empty(len(chunks) // world, *chunks.shape[1:])
+    reduce_scatter_single(out, chunks, group=group)
+    return out
 
 
-def _reduce_scatter(x, group, dim):
-    whole = x.movedim(dim, 0).contiguous()
-    out = torch.empty_like(whole.chunk(dist.get_world_size(group))[0])  # rank i's part: the i-th chunk
-    reduce_scatter_single(out, whole, group=group)
-    return out.movedim(0, dim)
-
-
-def _split(x, group, dim):
-    return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
-
-
-class Conjugate(torch.autograd.Function):
-    """forward(x) in the forward pass, backward(grad) in the backward pass, both along dim; None is the identity."""
-
+class CopyToTensorParallelRegion(torch.autograd.Function):
+    """f: every rank reads the whole input, and each slice adds a part of its gradient: backward sums them."""
     @staticmethod
-    def forward(ctx, forward, backward, dim, x, group):
-        ctx.backward = backward and partial(backward, group=group, dim=dim)
-        return forward(x, group, dim) if forward else x
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, None, ctx.backward(grad) if ctx.backward else grad, None
+        dist.all_reduce(grad, group=ctx.group)  # in place: the gradient is a fresh matmul product
+        return grad, None
 
 
-# Megatron's names, each called as (x, group): the collective forward, its conjugate backward, the dim they split.
-copy_to_tensor_parallel_region = partial(Conjugate.apply, None, _all_reduce, 1)  # sums the slices' input gradients
-reduce_from_tensor_parallel_region = partial(Conjugate.apply, _all_reduce, None, 1)  # sums the partial products
-gather_from_sequence_parallel_region = partial(Conjugate.apply, _all_gather, _reduce_scatter, 1)
-reduce_scatter_to_sequence_parallel_region = partial(Conjugate.apply, _reduce_scatter, _all_gather, 1)
-gather_from_tensor_parallel_region = partial(Conjugate.apply, _all_gather, _split, -1)  # each rank keeps its slice
+class ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """g: forward sums the ranks' partial products; every rank passes the same gradient back."""
+    @staticmethod
+    def forward(ctx, x, group):
+        dist.all_reduce(x, group=group)  # in place: x is a fresh product (a matmul's, the embedding's lookup)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """f under sequence parallelism: gather the sequence shards; backward sums the gradients into them."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 1, ctx.group), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """g under sequence parallelism: sum the partial products, keep this rank's sequence shard; backward gathers."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, 1, ctx.group), None
+
+
+class GatherFromTensorParallelRegion(torch.autograd.Function):
+    """The whole logits from the ranks' vocabulary slices (sampling, --no_loss_parallel); backward keeps the slice."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(dist.get_world_size(ctx.group), -1)[dist.get_rank(ctx.group)].contiguous(), None
 
 
 def compute_dtype(x):
@@ -82,15 +111,15 @@ def compute_dtype(x):
 
 
 def f(x, group, sequence_parallel):
-    """Megatron's f, where a tensor-parallel region starts: copy in, or gather the sequence shards."""
-    region = gather_from_sequence_parallel_region if sequence_parallel else copy_to_tensor_parallel_region
-    return region(x.to(compute_dtype(x)), group)
+    """Megatron's f, where a tensor-parallel region starts: copy the input in, or gather its sequence shards."""
+    region = GatherFromSequenceParallelRegion if sequence_parallel else CopyToTensorParallelRegion
+    return region.apply(x.to(compute_dtype(x)), group)
 
 
 def g(x, group, sequence_parallel):
     """Megatron's g, f's conjugate, where the region ends: sum the partial products, or reduce-scatter them."""
-    region = reduce_scatter_to_sequence_parallel_region if sequence_parallel else reduce_from_tensor_parallel_region
-    return region(x.to(compute_dtype(x)), group)
+    region = ReduceScatterToSequenceParallelRegion if sequence_parallel else ReduceFromTensorParallelRegion
+    return region.apply(x.to(compute_dtype(x)), group)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -98,15 +127,9 @@ def g(x, group, sequence_parallel):
 # lies in the full tensor, as (full shape, box), for init, checkpoints and the gradient norm.
 
 
-def _linear(x, weight, bias=None):
-    if x.transpose(0, 1).is_contiguous():  # sequence-first: F.linear would copy x batch-first (and keep it)
-        return F.linear(x.transpose(0, 1), weight, bias).transpose(0, 1)
-    return F.linear(x, weight, bias)
-
-
 def _shard(tensor, group, dim):
     """An empty parameter for this rank's slice of tensor along dim, and its (full shape, box)."""
-    size = tensor.shape[dim] // dist.get_world_size(group)
+    size = tensor.shape[dim] // dist.get_world_size(group)  # training.check_tensor_parallel: it divides
     start = dist.get_rank(group) * size
     box = [(0, n) for n in tensor.shape]
     box[dim] = (start, start + size)
@@ -114,42 +137,45 @@ def _shard(tensor, group, dim):
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_i = X A_i, output rows split: for q, k and v, rank i's own heads. f runs in a pre-hook, once per region."""
+    """Y_i = f(X) A_i: output features split, rank i holding rows i of A (for q, k and v: its own heads). Layers that
+    read one input (q, k and v; gate and fc) share their region's one f instead: starts_region=False."""
 
-    def __init__(self, linear, group):
+    def __init__(self, linear, group, sequence_parallel, starts_region=True):
         super().__init__()
-        self.bias = None
-        self.boxes = {}
+        self.group, self.sequence_parallel, self.starts_region = group, sequence_parallel, starts_region
+        self.bias, self.boxes = None, {}
         for name, param in linear.named_parameters():  # weight [out, in] and bias [out]
             shard, self.boxes[name] = _shard(param, group, 0)
             setattr(self, name, shard)
 
     def forward(self, x):
-        return _linear(x, self.weight, self.bias)
+        if self.starts_region:
+            x = f(x, self.group, self.sequence_parallel)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """Y = sum_i X_i A_i, input columns split; g sums the partial products, then the replicated bias is added once."""
+    """Y = g(sum_i X_i A_i) + b: input features split; g ends the region, then the replicated bias is added once."""
 
     def __init__(self, linear, group, sequence_parallel):
         super().__init__()
-        self.group = group
-        self.sequence_parallel = sequence_parallel
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.bias = linear.bias
         self.weight, weight_box = _shard(linear.weight, group, 1)
         self.boxes = {"weight": weight_box}
 
     def forward(self, x):
-        y = g(_linear(x, self.weight), self.group, self.sequence_parallel)
+        y = g(F.linear(x, self.weight), self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, stop) of the padded vocabulary: other ids look up zeros. g, in a hook, sums the ranks' rows
-    (under sequence parallelism it reduce-scatters them: the residual stream starts sharded)."""
+    """Rows [start, stop) of the padded vocabulary: other ids look up zeros, and g sums the ranks' rows (under
+    sequence parallelism it reduce-scatters them: the residual stream starts sharded)."""
 
-    def __init__(self, embedding, group):
+    def __init__(self, embedding, group, sequence_parallel):
         super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight, weight_box = _shard(embedding.weight, group, 0)
         self.boxes = {"weight": weight_box}
         self.start, self.stop = weight_box[1][0]
@@ -157,7 +183,18 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx):
         outside = (idx < self.start) | (idx >= self.stop)
         out = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
-        return out.masked_fill(outside.unsqueeze(-1), 0)
+        return g(out.masked_fill(outside.unsqueeze(-1), 0), self.group, self.sequence_parallel)
+
+
+class SequenceParallelPositions(nn.Module):
+    """GPT-2's position table, whole, looked up at this rank's sequence shard of the positions (its token shard's)."""
+
+    def __init__(self, embedding, group):
+        super().__init__()
+        self.weight, self.rank, self.world = embedding.weight, dist.get_rank(group), dist.get_world_size(group)
+
+    def forward(self, pos):
+        return F.embedding(pos.chunk(self.world)[self.rank], self.weight)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -218,8 +255,7 @@ ROW_PARALLEL = ("attn.proj", "mlp.proj")
 
 
 def is_sliced(name):
-    """Whether tensor parallelism splits parameter `name` (gpt.py's, under any prefix) across ranks, as opposed to
-    replicating it on each (the planner counts 1/tp of it)."""
+    """Whether tensor parallelism splits parameter `name` (gpt.py's, any prefix) over the ranks, or replicates it."""
     module, _, kind = name.rpartition(".")  # blocks.3.attn.query.bias -> blocks.3.attn.query, bias
     vocabulary = name.endswith(("wte.weight", "lm_head.weight"))
     return vocabulary or module.endswith(COLUMN_PARALLEL) or (module.endswith(ROW_PARALLEL) and kind == "weight")
@@ -246,33 +282,25 @@ def sampling_hooks(model, multiple, gather):
 
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
     """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place (on meta, before to_empty)."""
-    model.wte = VocabParallelEmbedding(model.wte, group)
-    model.lm_head = ColumnParallelLinear(model.lm_head, group)  # the same vocabulary rows as wte's
+    model.wte = VocabParallelEmbedding(model.wte, group, sequence_parallel)
+    model.lm_head = ColumnParallelLinear(model.lm_head, group, sequence_parallel)  # the same vocabulary rows as wte's
     model.tie_weights()  # tied: the LM head's weight is wte's slice
+    if sequence_parallel and model.wpe is not None:
+        model.wpe = SequenceParallelPositions(model.wpe, group)
     for block in model.blocks:
         for name, module in list(block.named_modules()):  # GPT-2's MLP has no gate
-            if name in COLUMN_PARALLEL:
-                block.set_submodule(name, ColumnParallelLinear(module, group))
+            if name in COLUMN_PARALLEL:  # q, k and v (gate and fc) read one input: the region's one f, below
+                block.set_submodule(name, ColumnParallelLinear(module, group, sequence_parallel, starts_region=False))
             if name in ROW_PARALLEL:
                 block.set_submodule(name, RowParallelLinear(module, group, sequence_parallel))
-    for module in list(model.modules()):
-        if isinstance(module, gpt.CausalSelfAttention):  # the attention probabilities of this rank's heads
-            module.attn_dropout = SlicedDropout(model.config.dropout, group, dim=1)
-        if isinstance(module, (gpt.CausalSelfAttention, gpt.MLP)):  # f once per region: q, k and v share one
-            module.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel), *args[1:]))
-        if sequence_parallel and isinstance(module, (VocabParallelEmbedding, nn.LayerNorm, nn.RMSNorm)):  # [T, B, C]
-            module.register_forward_pre_hook(lambda module, args: args[0].transpose(0, 1))  # as stored: no copies
-            module.register_forward_hook(lambda module, args, out: out.transpose(0, 1))
-        for name, child in list(module.named_children()):  # the residual stream's dropouts, on this rank's shard
-            if type(child) is nn.Dropout and sequence_parallel:
-                setattr(module, name, SlicedDropout(model.config.dropout, group, dim=1))
-    model.wte.register_forward_hook(lambda module, args, out: g(out, group, sequence_parallel))
-    if sequence_parallel and model.wpe is not None:  # GPT-2's positions: this rank's shard, as the token embeddings
-        model.wpe.register_forward_pre_hook(lambda module, args: _split(args[0], group, 0))
-    # The LM head's region: f, then batch-first as the loss flattens it (a [B, T, C] copy, not [B, T, V / tp])
-    model.lm_head.register_forward_pre_hook(lambda module, args: f(args[0], group, sequence_parallel).contiguous())
-    # The whole logits, for sampling and --no_loss_parallel: gathered vocabulary-first, then made [..., V]
-    gather = lambda logits: gather_from_tensor_parallel_region(logits, group).contiguous()  # noqa: E731
+        # A hook, because gpt.py's attention and MLP hand x to q, k and v (gate and fc) themselves: f once, before
+        for region in (block.attn, block.mlp):
+            region.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel), *args[1:]))
+        block.attn.attn_dropout = SlicedDropout(model.config.dropout, group, dim=1)  # of this rank's heads
+    for name, module in list(model.named_modules()):  # the residual stream's dropouts: on this rank's shard
+        if sequence_parallel and type(module) is nn.Dropout:
+            model.set_submodule(name, SlicedDropout(model.config.dropout, group, dim=1))
+    gather = lambda logits: GatherFromTensorParallelRegion.apply(logits, group)  # noqa: E731 (the whole logits)
     if loss_parallel:
         model.loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(
             logits, targets, group, model.config.vocab_size).mean()
