@@ -3240,9 +3240,8 @@ def test_activation_checkpointing_with_dropout_single(corpus, tmp_path_factory, 
 # ------------------------------------------------------------------------------------------------------------
 # --plan, the memory planner (plan.plan_memory): measured, not trusted. A real run of each layout reports what
 # one rank holds: its parameters, gradients and AdamW state after the first optimizer step (every storage once),
-# and the tensors autograd saves for backward during the first micro-batch's forward (saved-tensor hooks; under
-# FSDP its own pack hook, which keeps gathered weights by reference, tells what it keeps; the rank's parameters
-# are not activations). The plan must give the first three to the byte and the activations within 10%.
+# and the tensors autograd saves for backward during the first micro-batch's forward (saved-tensor hooks; our
+# FSDP's gathered `full` buffers are weights, freed after use, and the rank's parameters are not activations). The plan must give the first three to the byte and the activations within 10%.
 
 PLANNED = {  # script, ranks, extra flags, the Layout's (strategy, dp, tp) and options
     "single": (train_single.main, 1, {}, ("single", 1, 1), {}),

@@ -24,6 +24,9 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+FlatMember = namedtuple("FlatMember", "name shape uses local span")  # uses: every (module, attribute) holding it
+
+
 class FlatParameter:
     """One unit's parameters of one kind end to end, padded to a multiple of N. This rank keeps 1/N, `shard` (float32
     master weights), and registers each parameter as its piece of it. `full` is the whole, in the compute dtype: one
@@ -101,9 +104,6 @@ class FlatParameter:
         for param in self.params:
             for module, attribute in param.uses:
                 module.__dict__.pop(attribute, None)  # the registered piece shows again
-
-
-FlatMember = namedtuple("FlatMember", "name shape uses local span")  # uses: every (module, attribute) holding it
 
 
 class ReduceScatterGrad(torch.autograd.Function):
