@@ -267,7 +267,8 @@ def context_parallel_plan(config, layout):
     rows += [row for row in plan_memory(replace(config, block_size=s // layout.cp), whole)
              if not row[0].startswith(weights)]
     if layout.cp_impl == "allgather":  # and the boolean mask, s / cp queries x s keys
-        item, size = "every rank's keys and values, gathered", 2 * b * (s - s // layout.cp) * kv * e + s * s // layout.cp
+        item = "every rank's keys and values, gathered"
+        size = 2 * b * (s - s // layout.cp) * kv * e + s * s // layout.cp
     else:  # float32: the output itself
         item, size = "ring attention's float32 output", b * s // layout.cp * config.n_embd * 4 if e == 2 else 0
     if layout.activation_checkpointing:  # saved only while a block is recomputed

@@ -5873,6 +5873,7 @@ def _cp_refused(argv):
                                    "multiple of 4"),
     (2, dict(cp=2, dp=2), "--cp 2 x --dp 2 = 4 ranks, but the world has 2: choose --cp and --dp"),
     (2, dict(cp=2, dropout=0.1), "--dropout 0.1 with --cp 2: one device's attention-dropout masks cannot be drawn"),
+    (2, dict(cp=2, attn="flash"), "--attn flash with --cp 2: attention over the ranks is train_cp.py's own"),
 ])
 def test_cp_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path, world_size, overrides,
                                                                       message):

@@ -232,7 +232,7 @@ def main(argv=None):
     parser.add_argument("--bucket_mb", type=training.positive, default=25, help="largest gradient bucket, in MiB")
     args = parser.parse_args(argv)
 
-    # ---- process groups: dp groups of cp consecutive ranks; context-parallel peers share a data-parallel rank's rows
+    # ---- process groups: dp groups of cp consecutive ranks; each group shares a data-parallel rank's rows
     rank, local_rank, world_size = training.launched_rank(args)
     cp = args.cp or world_size // (args.dp or 1)
     dp = args.dp or max(1, world_size // cp)
@@ -246,6 +246,9 @@ def main(argv=None):
     if args.dropout and cp > 1:
         raise training.UsageError(f"--dropout {args.dropout} with --cp {cp}: one device's attention-dropout masks "
                                   "cannot be drawn block by block; use --dropout 0")
+    if args.attn == "flash" and cp > 1:
+        raise training.UsageError(f"--attn flash with --cp {cp}: attention over the ranks is train_cp.py's own "
+                                  "(--cp_impl allgather or ring); use --attn sdpa")
     dp_rank, dp_size = rank // cp, dp
     if args.plan:  # the memory one rank needs in this layout, and nothing else: no device, data or model
         import plan
