@@ -138,7 +138,7 @@ def rotary_angles(config, pos):
 
 def rotate(x, rope):
     """Hugging Face's RoPE layout: channel i of each head pairs with channel i + head_dim / 2 (its rotate_half). x * cos
-    comes first, so the result keeps x's memory layout (sequence-first under tensor parallelism's sequence shards)."""
+    comes first, so the result keeps x's memory layout."""
     cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)
     return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x)

@@ -2560,7 +2560,7 @@ def test_tp_dropout_draws_the_masks_one_device_draws(corpus, shared_tmp, world_s
 def _sliced_dropout(shape):
     """This rank's SlicedDropout of its part (along dim 1) of x, and its part of one device's F.dropout of the whole
     x, both drawn from the same generators; whether each left them alike; whether evaluation left them untouched.
-    The 3-D part is stored sequence-first, as sequence parallelism stores it."""
+    The 3-D part is stored sequence-first, not as gpt.py's batch-first: the output keeps the part's layout."""
     x = torch.rand(shape, generator=torch.Generator().manual_seed(0)) + 0.5  # no zeros
     rank, world = dist.get_rank(), dist.get_world_size()
     part = x.chunk(world, 1)[rank]

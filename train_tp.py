@@ -129,7 +129,7 @@ def g(x, group, sequence_parallel):
 
 def _shard(tensor, group, dim):
     """An empty parameter for this rank's slice of tensor along dim, and its (full shape, box)."""
-    size = tensor.shape[dim] // dist.get_world_size(group)  # training.check_tensor_parallel: it divides
+    size = tensor.shape[dim] // dist.get_world_size(group)  # main() has checked that it divides
     start = dist.get_rank(group) * size
     box = [(0, n) for n in tensor.shape]
     box[dim] = (start, start + size)
@@ -263,8 +263,8 @@ def is_sliced(name):
 
 def sampling_hooks(model, multiple, gather):
     """generate() calls model(idx) without targets, at any length, and wants whole logits (here and in
-    torch_reference.py). Pad idx to a `multiple` of the sequence shards (causal: padding never reaches earlier
-    positions), gather the logits, drop the padding."""
+    torch_reference.py): pad idx to a `multiple` of the sequence shards (causal: the padding never reaches a real
+    position), gather the logits, drop the padding."""
 
     def pad(module, args):
         module.sequence_length = args[0].shape[1]
