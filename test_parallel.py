@@ -2363,7 +2363,7 @@ def _gradient_errors(sequence_parallel, loss_parallel, dropout):
     loss.backward()
     parts = checkpoint.parameter_parts(model)
     if sequence_parallel:
-        train_tp.allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD)
+        train_tp.allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD, "cpu")
     errors = {"loss": abs(loss.item() - expected_loss.item()) / loss.item()}
     for name, param, part in ((part.name, part.tensor, part) for part in parts):
         expected = full[name].grad[tuple(slice(*box) for box in part.box)]
@@ -5155,7 +5155,7 @@ def _llama_gradient_errors(sequence_parallel, loss_parallel):
     model(idx, targets).backward()
     parts = checkpoint.parameter_parts(model)
     if sequence_parallel:
-        train_tp.allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD)
+        train_tp.allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD, "cpu")
     errors = {}
     for part in parts:
         expected = full[part.name].grad[tuple(slice(*box) for box in part.box)]

@@ -95,7 +95,8 @@ def main(argv=None):
             reshard_after_forward=not args.no_reshard, tp_boxes={name: (p.shape, p.box) for name, p in tp_parts.items()},
             initial_value=value, cpu_offload=args.cpu_offload)
         groups, parts = model.parameter_groups(), [checkpoint.Part(*where) for where in model.parts()]
-        clip_grad_norm = partial(train_tp.clip_grad_norm_, list(model.named_parameters()), tp_group=tp_group)
+        clip_grad_norm = partial(train_tp.clip_grad_norm_, list(model.named_parameters()), tp_group=tp_group,
+                                 device=device)
     optimizer = training.make_optimizer(groups, args, device)
     forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
@@ -120,7 +121,7 @@ def main(argv=None):
             loss.backward()  # each unit's gradient is reduce-scattered (averaged over DP) as its backward ends
             loss_sum += loss.detach()
         if args.sequence_parallel and parts is not None:
-            train_tp.allreduce_replicated_grads(list(model.named_parameters()), tp_group)
+            train_tp.allreduce_replicated_grads(list(model.named_parameters()), tp_group, device)
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
         diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing

@@ -309,23 +309,23 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
     return sampling_hooks(model, dist.get_world_size(group) if sequence_parallel else 1, gather)
 
 
-def allreduce_replicated_grads(named_parameters, group):
+def allreduce_replicated_grads(named_parameters, group, device):
     """Under sequence parallelism a replicated parameter (layer norms, wpe, row-parallel biases) saw only this rank's
     sequence shard: sum their gradients in one flat all-reduce. In train_2d.py named_parameters are this rank's FSDP
-    pieces: TP peers shard alike, so their pieces hold the same elements."""
+    pieces: TP peers shard alike, so their pieces hold the same elements (on the host under --cpu_offload)."""
     grads = [param.grad.view(-1) for name, param in named_parameters if not is_sliced(name)]
     if grads:
-        flat = torch.cat(grads)
+        flat = torch.cat(grads).to(device)  # NCCL reduces device memory only
         dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(grads, flat.split([len(grad) for grad in grads]))
+        torch._foreach_copy_(grads, flat.to(grads[0].device).split([len(grad) for grad in grads]))
 
 
-def clip_grad_norm_(named_parameters, max_norm, tp_group):
+def clip_grad_norm_(named_parameters, max_norm, tp_group, device):
     """The full model's gradient norm, each element counted once: slices on their own rank, replicated parameters
     on TP rank 0 only (in train_2d.py each is also an FSDP piece, disjoint across data-parallel ranks)."""
     first = dist.get_rank(tp_group) == 0
     grads = [param.grad for name, param in named_parameters if is_sliced(name) or first]
-    total = sum((grad.float().pow(2).sum() for grad in grads), torch.zeros((), device=named_parameters[0][1].device))
+    total = sum((grad.float().pow(2).sum().to(device) for grad in grads), torch.zeros((), device=device))
     dist.all_reduce(total)  # over every rank: in train_2d.py the data-parallel pieces are disjoint too
     norm = total.sqrt()
     torch.nn.utils.clip_grads_with_norm_([param for _, param in named_parameters], max_norm, norm)
@@ -377,7 +377,8 @@ def main(argv=None):
         for part in parts:  # each rank reads its own slices only: together the ranks hold train_single's weights
             part.local().copy_(value(part.name, part.shape, part.box, part.flat))
         groups = training.decay_groups(model.parameters())
-        clip_grad_norm = partial(clip_grad_norm_, list(model.named_parameters()), tp_group=dist.group.WORLD)
+        clip_grad_norm = partial(clip_grad_norm_, list(model.named_parameters()), tp_group=dist.group.WORLD,
+                                 device=device)
     gpt.set_attention(model, args.attn)
 
     # ---- strategy: sharded matrices, replicated norms and biases; replicated tensors are saved by rank 0 only
@@ -404,7 +405,7 @@ def main(argv=None):
             loss.backward()
             loss_sum += loss.detach()  # the whole batch's loss on every tp rank: no reduction needed
         if args.sequence_parallel and parts is not None:
-            allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD)
+            allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD, device)
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
         diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
