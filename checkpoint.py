@@ -4,7 +4,7 @@ A checkpoint is a folder `<out_dir>/ckpt-<step>` with one file per rank and a me
 newest complete one. A rank file maps tensor names (gpt.py's parameter names, and `exp_avg/<name>`, `exp_avg_sq/<name>`
 for AdamW's moments) to the pieces the rank holds (its Parts, below, copied out), each
     {"shape": full shape, "box": ((start, stop) per dim), "flat": (start, stop), "data": 1-D tensor}
-Loading assembles each full tensor from every piece and lets the loading layout take its own part.
+Loading copies into each part of the loading layout only the stored pieces' overlap with it.
 
 Saving (save): every rank writes its file into `ckpt-<step>.tmp`, the ranks agree that every write succeeded, and
 rank 0 writes meta.pt, renames the folder into place and repoints `latest`. Resuming: to_resume finds the checkpoint
@@ -234,8 +234,8 @@ def older_advice(path):
 
 
 class Checkpoint:
-    """A checkpoint folder opened for reading. Files are memory-mapped: a full tensor is assembled only
-    when asked for, one at a time, so loading never holds the whole model at once."""
+    """A checkpoint folder opened for reading. Files are memory-mapped: region() copies out only what a part needs,
+    so a rank reads and holds about its own share of the model (elements_read counts it)."""
 
     def __init__(self, path):
         try:
