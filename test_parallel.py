@@ -5669,6 +5669,32 @@ def test_init_from_sharded_checkpoint_opens_only_its_files(tmp_path):
         assert f"read {read / 1e6:,.1f} MB from {len(opened)} files" == hugging_face.read_summary()
 
 
+def test_plan_cpu_offload_moves_the_model_states_to_the_host(capsys, tmp_path):
+    """--cpu_offload: the planner takes FSDP's shards, their gradients and AdamW off the GPU, puts the same bytes in
+    host memory (per rank, and per node of 8), and adds the float32 shards that visit the device; nothing else moves."""
+    argv = ["--plan", "--world_size", "16", "--model", "llama3.1-8b", "--block_size", "4096", "--micro_batch", "1",
+            "--global_batch", "16", "--dtype", "bfloat16", "--activation_checkpointing", "--data",
+            str(tmp_path / "llama")]
+    _, resident = command_line(train_fsdp.main, argv, capsys)
+    _, offloaded = command_line(train_fsdp.main, argv + ["--cpu_offload"], capsys)
+
+    def rows(printed):
+        return dict(re.match(r"  (.*?)\s+([\d,.]+ [MG]B)$", line).groups() for line in printed.splitlines()
+                    if line.startswith("  "))
+
+    on_gpu, off = rows(resident), rows(offloaded.split("host memory")[0])
+    states = ("parameters (float32)", "gradients (float32)", "AdamW state (exp_avg, exp_avg_sq, step; float32)")
+    staging = [item for item in off if item not in on_gpu]
+    assert staging == ["float32 shards copied in to be all-gathered: a unit's, the next one's",
+                       "a float32 gradient shard, reduce-scattered, before its copy out"]
+    unchanged = [item for item in on_gpu if item not in states and item != "total, one rank"]
+    assert [on_gpu[item] for item in unchanged] == [off[item] for item in unchanged] and len(unchanged) >= 6
+    host = rows("host memory" + offloaded.split("host memory")[1])
+    assert [host[item] for item in states] == [on_gpu[item] for item in states]
+    per_rank, node = (float(host[item].split()[0]) for item in ("total, one rank", "total, a node of 8 ranks"))
+    assert abs(node - 8 * per_rank) < 0.05
+
+
 # ------------------------------------------------------------------------------------------------------------
 # ---- #30 dropout that nothing else moves: evaluation, and resume under another layout
 
