@@ -5684,6 +5684,7 @@ def test_plan_cpu_offload_moves_the_model_states_to_the_host(capsys, tmp_path):
 
     on_gpu, off = rows(resident), rows(offloaded.split("host memory")[0])
     states = ("parameters (float32)", "gradients (float32)", "AdamW state (exp_avg, exp_avg_sq, step; float32)")
+    assert not set(states) & set(off)  # none of them on the GPU any more
     staging = [item for item in off if item not in on_gpu]
     assert staging == ["float32 shards copied in to be all-gathered: a unit's, the next one's",
                        "a float32 gradient shard, reduce-scattered, before its copy out"]
