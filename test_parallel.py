@@ -4075,9 +4075,9 @@ def imported_at_module_level(module, found=None):
 
 
 def test_what_a_reader_must_read_is_small():
-    """The design card's afternoon, measured as issue #22 does: train_single.py reaches at most 9,500 Python tokens
-    (twice nanoGPT's model.py and train.py, 8,200, plus what Llama's modules add); every other script at most 950 lines
-    outside the train_*.py files; copying a script drags along at most 1,550 lines; each strategy core names no
+    """The design card's afternoon, measured as issue #22 does: train_single.py reaches at most 9,600 Python tokens
+    (twice nanoGPT's model.py and train.py, 8,200, plus what Llama's modules add); every other script at most 960 lines
+    outside the train_*.py files; copying a script drags along at most 1,575 lines; each strategy core names no
     project module but gpt."""
     for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d"]:
         reach = reader_reach(script)
@@ -4090,12 +4090,14 @@ def test_what_a_reader_must_read_is_small():
         # tokens; 807 lines, train_tp.py; 1,350 lines). Llama 3 added 751 tokens and 89 lines to what a reader
         # reaches (gpt.py: 84 lines), and 155 lines to what a copy drags (gpt.py, and prepare_data.py's tokenizer);
         # issue #30 ~30 lines every script reaches (gpt.py's explicit attention under dropout, the fingerprint of every
-        # loaded module and the step's one agreement, generators rebuilt under another layout). DESIGN's ceilings.
+        # loaded module and the step's one agreement, generators rebuilt under another layout). Issue #33 ~40 lines
+        # and ~570 tokens that start-up needs to scale with a rank's part (gpt.py's tile-wise init, checkpoint.py's
+        # copy of only the overlap, the start line's bytes read), 9,582 tokens and 1,574 lines after it.
         if script == "train_single":
-            assert sum(tokens for _, tokens in reach.values()) <= 9500, reach
+            assert sum(tokens for _, tokens in reach.values()) <= 9600, reach
         else:
-            assert outside <= 950, reach
-        assert dragged_lines <= 1550, dragged
+            assert outside <= 960, reach
+        assert dragged_lines <= 1575, dragged
     for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
