@@ -4,7 +4,7 @@ A checkpoint is a folder `<out_dir>/ckpt-<step>` with one file per rank and a me
 newest complete one. A rank file maps tensor names (gpt.py's parameter names, and `exp_avg/<name>`, `exp_avg_sq/<name>`
 for AdamW's moments) to the pieces the rank holds (its Parts, below, copied out), each
     {"shape": full shape, "box": ((start, stop) per dim), "flat": (start, stop), "data": 1-D tensor}
-Loading assembles each full tensor from every piece and lets the loading layout take its own part.
+Loading copies into each part of the loading layout only the stored pieces' overlap with it.
 
 Saving (save): every rank writes its file into `ckpt-<step>.tmp`, the ranks agree that every write succeeded, and
 rank 0 writes meta.pt, renames the folder into place and repoints `latest`. Resuming: to_resume finds the checkpoint
@@ -234,8 +234,8 @@ def older_advice(path):
 
 
 class Checkpoint:
-    """A checkpoint folder opened for reading. Files are memory-mapped: a full tensor is assembled only
-    when asked for, one at a time, so loading never holds the whole model at once."""
+    """A checkpoint folder opened for reading. Files are memory-mapped: region() copies out only what a part needs,
+    so a rank reads and holds about its own share of the model (elements_read counts it)."""
 
     def __init__(self, path):
         try:
@@ -270,14 +270,14 @@ class Checkpoint:
         return self.region(name, tuple((0, n) for n in shape), (0, math.prod(shape))).view(shape)
 
     def region(self, name, box, flat):
-        """Elements [flat[0], flat[1]) of the flattened full[box] of tensor `name` (a Part's): assembled from the
-        stored pieces that overlap it, copying only their overlap. The files are mapped: the rest stays on disk."""
+        """Elements [flat[0], flat[1]) of the flattened full[box] of tensor `name` (a Part's), copied out of only the
+        stored pieces' overlap with it: the files are mapped, and what a rank does not read stays on disk."""
         rows, columns = as_matrix(box)
         width = columns[1] - columns[0]
         top, bottom = rows[0] + flat[0] // width, rows[0] - (-flat[1] // width)  # the rows the part touches
         window = torch.empty(bottom - top, width, dtype=self.pieces[name][0]["data"].dtype)
         for p in self.pieces[name]:
-            for row, column, values in rectangles(as_matrix(p["box"]), p["flat"], p["data"]):
+            for row, column, values in rectangles(p["box"], p["flat"], p["data"]):
                 first, last = max(row, top), min(row + len(values), bottom)  # the overlap with the window
                 start, stop = max(column, columns[0]), min(column + values.shape[1], columns[1])
                 if first < last and start < stop:
@@ -287,24 +287,20 @@ class Checkpoint:
         return window.view(-1)[flat[0] % width:flat[0] % width + flat[1] - flat[0]]
 
 
-def as_matrix(box):
-    """A box of a matrix, or of a vector seen as a one-column matrix: its (rows, columns)."""
+def as_matrix(box):  # a vector is a matrix of one column
     return (box[0], box[1]) if len(box) == 2 else (box[0], (0, 1))
 
 
 def rectangles(box, flat, data):
-    """A stored piece, elements [flat[0], flat[1]) of the flattened full[box] of a matrix, as at most three rectangles
-    of the full matrix (a partial first row, whole rows, a partial last row): (first row, first column, values)."""
-    (rows, columns), (start, stop) = box, flat
+    """A stored piece (elements [flat[0], flat[1]) of the flattened full[box]) as at most three rectangles of the full
+    matrix, a partial first row, whole rows and a partial last row: (first row, first column, values)."""
+    (rows, columns), (start, stop) = as_matrix(box), flat
     width = columns[1] - columns[0]
     whole = (-(-start // width) * width, stop // width * width)  # the whole rows' flat range
-    segments = [(start, stop)] if whole[0] > whole[1] else [(start, whole[0]), whole, (whole[1], stop)]
-    for begin, end in segments:
-        if begin < end:
-            count = min(width, end - begin)  # elements a row: a partial row's, or the box's width
-            row, column = rows[0] + begin // width, columns[0] + begin % width
-            values = data[begin - start:end - start].view(-1, count)
-            yield row, column, values
+    for begin, end in [(start, stop)] if whole[0] > whole[1] else [(start, whole[0]), whole, (whole[1], stop)]:
+        if begin < end:  # a partial row's elements, or whole rows of the box's width
+            values = data[begin - start:end - start].view(-1, min(width, end - begin))
+            yield rows[0] + begin // width, columns[0] + begin % width, values
 
 
 @torch.no_grad()

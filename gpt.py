@@ -286,39 +286,31 @@ def cross_entropy(logits, targets, vocab_size):
     return F.cross_entropy(logits[:, :vocab_size], targets)
 
 
-# Random weights are drawn in tiles of INIT_TILE (rows, columns), each from a generator of its own seeded by
-# (seed, name, tile): a part of a tensor (an FSDP shard's rows, a tensor-parallel slice's rows or columns) draws only
-# the tiles it touches, and every layout, single-device included, reads the same numbers.
-INIT_TILE = (32, 512)
+INIT_TILE = (32, 512)  # rows x columns drawn from one generator, seeded by (seed, name, tile): see initial_value
 
 
 def initial_value(name, shape, config, seed, box=None):
     """The float32 CPU tensor parameter `name` starts with, or its box (default: the whole tensor): a function of
-    (seed, name) alone, so a rank that builds one block, one shard or one slice takes exactly what one device would
-    have there, and draws about as many random numbers as its part holds."""
+    (seed, name) alone, drawn tile by tile, so a rank that builds one block, one shard or one slice draws only the
+    tiles it touches and takes exactly what one device would have there."""
     box = tuple((0, n) for n in shape) if box is None else tuple(box)
-    size = tuple(stop - start for start, stop in box)
-    if name.endswith("bias"):
-        return torch.zeros(size)
-    if ".ln_" in name or name.startswith("ln_"):
-        return torch.ones(size)
+    if name.endswith("bias") or ".ln_" in name or name.startswith("ln_"):
+        return torch.full([stop - start for start, stop in box], float(not name.endswith("bias")))
     std = 0.02
     if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
         std /= math.sqrt(2 * config.n_layer)  # GPT-2: residual projections scaled by 1/sqrt(2 n_layer)
-    value = torch.empty(size)
-    (row_start, row_stop), (column_start, column_stop) = box  # every drawn parameter is a matrix
-    tile_rows, tile_columns = INIT_TILE
-    for row in range(row_start - row_start % tile_rows, row_stop, tile_rows):
-        for column in range(column_start - column_start % tile_columns, column_stop, tile_columns):
+    (top, bottom), (left, right) = box  # every drawn parameter is a matrix
+    first_row, first_column = top - top % INIT_TILE[0], left - left % INIT_TILE[1]
+    rows = []
+    for row in range(first_row, bottom, INIT_TILE[0]):
+        tiles = []
+        for column in range(first_column, right, INIT_TILE[1]):
             digest = hashlib.sha256(f"{seed}/{name}/{row}/{column}".encode()).digest()
             generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-            tile = torch.randn(min(tile_rows, shape[0] - row), min(tile_columns, shape[1] - column),
-                               generator=generator)
-            top, bottom = max(row, row_start), min(row + tile_rows, row_stop)  # the tile's overlap with the box
-            left, right = max(column, column_start), min(column + tile_columns, column_stop)
-            inside = (slice(top - row_start, bottom - row_start), slice(left - column_start, right - column_start))
-            value[inside] = tile[top - row:bottom - row, left - column:right - column]
-    return value.mul_(std)
+            size = (min(INIT_TILE[0], shape[0] - row), min(INIT_TILE[1], shape[1] - column))
+            tiles.append(torch.randn(size, generator=generator))
+        rows.append(torch.cat(tiles, dim=1))
+    return torch.cat(rows)[top - first_row:bottom - first_row, left - first_column:right - first_column] * std
 
 
 def set_attention(model, attn):

@@ -306,6 +306,10 @@ def main(argv=None):
     if args.n_embd % args.n_head:
         raise UsageError(f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}: choose a --n_head that "
                          "divides it")
+    tensors = 4 + 12 * args.n_layer  # wte, wpe, ln_f's two, and 12 a block
+    if args.files > tensors:
+        raise UsageError(f"--files {args.files} is more than the {tensors} tensors to put in them: choose at most "
+                         f"{tensors}")
     write_random_gpt2(args.out_dir, args.n_layer, args.n_head, args.n_embd, args.n_positions, args.vocab_size,
                       args.seed, args.files)
     config = config_from_hugging_face(HuggingFaceCheckpoint(args.out_dir).config, args.n_positions, 0.0)

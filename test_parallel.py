@@ -4112,9 +4112,9 @@ def imported_at_module_level(module, found=None):
 
 
 def test_what_a_reader_must_read_is_small():
-    """The design card's afternoon, measured as issue #22 does: train_single.py reaches at most 9,500 Python tokens
-    (twice nanoGPT's model.py and train.py, 8,200, plus what Llama's modules add); every other script at most 950 lines
-    outside the train_*.py files; copying a script drags along at most 1,550 lines; each strategy core names no
+    """The design card's afternoon, measured as issue #22 does: train_single.py reaches at most 9,600 Python tokens
+    (twice nanoGPT's model.py and train.py, 8,200, plus what Llama's modules add); every other script at most 960 lines
+    outside the train_*.py files; copying a script drags along at most 1,575 lines; each strategy core names no
     project module but gpt."""
     for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_cp"]:
         reach = reader_reach(script)
@@ -4127,12 +4127,14 @@ def test_what_a_reader_must_read_is_small():
         # tokens; 807 lines, train_tp.py; 1,350 lines). Llama 3 added 751 tokens and 89 lines to what a reader
         # reaches (gpt.py: 84 lines), and 155 lines to what a copy drags (gpt.py, and prepare_data.py's tokenizer);
         # issue #30 ~30 lines every script reaches (gpt.py's explicit attention under dropout, the fingerprint of every
-        # loaded module and the step's one agreement, generators rebuilt under another layout). DESIGN's ceilings.
+        # loaded module and the step's one agreement, generators rebuilt under another layout). Issue #33 ~40 lines
+        # and ~570 tokens that start-up needs to scale with a rank's part (gpt.py's tile-wise init, checkpoint.py's
+        # copy of only the overlap, the start line's bytes read), 9,582 tokens and 1,574 lines after it.
         if script == "train_single":
-            assert sum(tokens for _, tokens in reach.values()) <= 9500, reach
+            assert sum(tokens for _, tokens in reach.values()) <= 9600, reach
         else:
-            assert outside <= 950, reach
-        assert dragged_lines <= 1550, dragged
+            assert outside <= 960, reach
+        assert dragged_lines <= 1575, dragged
     for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp", "train_cp"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
@@ -5707,6 +5709,33 @@ def test_init_from_sharded_checkpoint_opens_only_its_files(tmp_path):
         read = sum(hugging_face.bytes_read.values())
         assert held <= read <= 1.2 * held, f"rank {rank} read {read} bytes for {held} bytes of parts"
         assert f"read {read / 1e6:,.1f} MB from {len(opened)} files" == hugging_face.read_summary()
+
+
+def test_plan_cpu_offload_moves_the_model_states_to_the_host(capsys, tmp_path):
+    """--cpu_offload: the planner takes FSDP's shards, their gradients and AdamW off the GPU, puts the same bytes in
+    host memory (per rank, and per node of 8), and adds the float32 shards that visit the device; nothing else moves."""
+    argv = ["--plan", "--world_size", "16", "--model", "llama3.1-8b", "--block_size", "4096", "--micro_batch", "1",
+            "--global_batch", "16", "--dtype", "bfloat16", "--activation_checkpointing", "--data",
+            str(tmp_path / "llama")]
+    _, resident = command_line(train_fsdp.main, argv, capsys)
+    _, offloaded = command_line(train_fsdp.main, argv + ["--cpu_offload"], capsys)
+
+    def rows(printed):
+        return dict(re.match(r"  (.*?)\s+([\d,.]+ [MG]B)$", line).groups() for line in printed.splitlines()
+                    if line.startswith("  "))
+
+    on_gpu, off = rows(resident), rows(offloaded.split("host memory")[0])
+    states = ("parameters (float32)", "gradients (float32)", "AdamW state (exp_avg, exp_avg_sq, step; float32)")
+    assert not set(states) & set(off)  # none of them on the GPU any more
+    staging = [item for item in off if item not in on_gpu]
+    assert staging == ["float32 shards copied in to be all-gathered: a unit's, the next one's",
+                       "a float32 gradient shard, reduce-scattered, before its copy out"]
+    unchanged = [item for item in on_gpu if item not in states and item != "total, one rank"]
+    assert [on_gpu[item] for item in unchanged] == [off[item] for item in unchanged] and len(unchanged) >= 6
+    host = rows("host memory" + offloaded.split("host memory")[1])
+    assert [host[item] for item in states] == [on_gpu[item] for item in states]
+    per_rank, node = (float(host[item].split()[0]) for item in ("total, one rank", "total, a node of 8 ranks"))
+    assert abs(node - 8 * per_rank) < 0.05
 
 
 # ------------------------------------------------------------------------------------------------------------
