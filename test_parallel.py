@@ -5707,11 +5707,29 @@ def _cp_refused(argv):
     (2, dict(cp=2, dp=2), "--cp 2 x --dp 2 = 4 ranks, but the world has 2: choose --cp and --dp"),
     (2, dict(cp=2, dropout=0.1), "--dropout 0.1 with --cp 2: one device's attention-dropout masks cannot be drawn"),
     (2, dict(cp=2, attn="flash"), "--attn flash with --cp 2: attention over the ranks is train_cp.py's own"),
+    (2, dict(cp=2, impl="torch", device="cpu"), "--impl torch needs CUDA: torch's context_parallel has sharding rules "
+                                                "for the CUDA attention kernels alone"),
 ])
 def test_cp_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path, world_size, overrides,
                                                                       message):
     errors = run_distributed(world_size, _cp_refused, flags(corpus, tmp_path, **overrides))
     assert all(error and message in error for error in errors), errors
+
+
+@launches_its_own_ranks
+@pytest.mark.parametrize("cp_impl", ["allgather", "ring"])
+def test_cp_torch_context_parallel_matches_single(corpus, tmp_path, tmp_path_factory, cp_impl):
+    """--impl torch, the yardstick: torch's context_parallel on 2 GPUs (NCCL), its all-gather and its all-to-all
+    rotation, head-tail chunks, equals train_single.py in float32 over 6 steps with accumulation."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("torch's context_parallel runs on CUDA alone (no sharding rule for the CPU attention kernel): "
+                    "needs 2 GPUs")
+    argv = flags(corpus, tmp_path / "cp", block_size=CP_BLOCK_SIZE, cp=2, cp_impl=cp_impl, impl="torch")
+    with launcher(tmp_path) as start:
+        code, output, _ = start(*standalone(2, "train_cp.py", argv)).wait()
+    assert code == 0, output[-5000:]
+    reference = single_run(corpus, tmp_path_factory, model="tiny", block_size=CP_BLOCK_SIZE)
+    assert_runs_match(read_run(str(tmp_path / "cp")), reference)
 
 
 def _cp_compiled(argv):
