@@ -1526,8 +1526,7 @@ def test_bench_formula_counts_every_collective(strategy, model, dtype, corpus, t
     dtype = dtype or default_dtype
     args = argparse.Namespace(model=model, data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
                               dtype=dtype, compile=False, threads=1)
-    impl = None if script == "train_cp.py" else "ours"  # train_cp.py has no --impl: torch's needs a GPU
-    row = bench.run_once(args, strategy, script, ranks, extra, impl, 2, 8, str(tmp_path))
+    row = bench.run_once(args, strategy, script, ranks, extra, "ours", 2, 8, str(tmp_path))
     terms = plan.comm_formula(strategy.split("_")[0], gpt.make_config(model, 256, 32), 8, dtype=dtype,
                               backend="gloo", buckets=train_ddp.assign_buckets, **bench.STRATEGY_CODE, **layout)
     assert row["collectives"] == sum(term.count for term in terms), terms
