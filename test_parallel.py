@@ -5716,6 +5716,30 @@ def test_cp_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tm
     assert all(error and message in error for error in errors), errors
 
 
+def _torch_sharded_chunks():
+    """Per (cp, dp) layout of this world: whether torch's context_parallel, inside TorchContextParallel.sharded, gave
+    this rank ours' chunks of the token ids and targets, and their global positions."""
+    import torch_reference
+    rank, matches = dist.get_rank(), []
+    for cp, dp in [(4, 1), (2, 2)]:
+        model = gpt.GPT(gpt.make_config("tiny", 256, 32))
+        cp_model = torch_reference.TorchContextParallel(model, torch.device("cpu"), cp, dp, "ring")
+        generator = torch.Generator().manual_seed(rank // cp)  # a data-parallel rank's rows, alike in its cp group
+        idx, targets = (torch.randint(0, 256, (3, 32), generator=generator) for _ in range(2))
+        pos = train_cp.chunk_positions(rank % cp, cp, 32 // (2 * cp))
+        with cp_model.sharded(idx, targets) as (x, y):
+            matches.append(torch.equal(x, idx[:, pos]) and torch.equal(y, targets[:, pos])
+                           and torch.equal(cp_model.pos, pos))
+        cp_model.restore()
+    return matches
+
+
+def test_cp_torch_context_parallel_shards_the_batch_as_ours():
+    """The part of the --impl torch yardstick that runs on CPU: torch's context_parallel, with its head-tail load
+    balancing, cuts each batch into ours' chunks (and their positions), alone on 4 ranks and within a (dp, cp) mesh."""
+    assert run_distributed(4, _torch_sharded_chunks) == [[True, True]] * 4
+
+
 @launches_its_own_ranks
 @pytest.mark.parametrize("cp_impl", ["allgather", "ring"])
 def test_cp_torch_context_parallel_matches_single(corpus, tmp_path, tmp_path_factory, cp_impl):
