@@ -7,6 +7,7 @@ or by passing them around a ring (--cp_impl ring, ring attention). Composed with
 
     torchrun --standalone --nproc_per_node=2 train_cp.py --cp 2                      # tiny model, default corpus
     torchrun --standalone --nproc_per_node=4 train_cp.py --cp 2 --dp 2 --cp_impl ring
+    torchrun --standalone --nproc_per_node=2 train_cp.py --cp 2 --impl torch        # torch's context_parallel (CUDA)
     torchrun --nproc_per_node=8 train_cp.py --cp 8 --model llama3.2-1b --data data/openwebtext --block_size 16384 \
         --dtype bfloat16 --activation_checkpointing
 
