@@ -240,6 +240,7 @@ def strategies(args):
         strategy, world_size, dp, tp, 1, bucket_mb=args.bucket_mb, **options))
     sequence_parallel = ["--sequence_parallel"] * args.sequence_parallel  # --sequence_parallel: tp and 2d with it
     ours_and_torch = ["ours", "torch"]
+    cp_impls = ours_and_torch if args.device == "cuda" else [None]  # torch's context_parallel: CUDA kernels alone
     buckets = ["--bucket_mb", str(args.bucket_mb)]
     return {
         "single": Strategy("train_single.py", 1, [], [None], 1, lambda: [], states("single", 1, 1)),
@@ -261,12 +262,11 @@ def strategies(args):
                                         formula("tp", tp=2, loss_parallel=False), states("tp", 2, 1, 2)),
         "2d": Strategy("train_2d.py", 4, ["--tp", "2", "--dp", "2"] + sequence_parallel, ours_and_torch, 2,
                        formula("2d", tp=2, dp=2, sequence_parallel=args.sequence_parallel), states("2d", 4, 2, 2)),
-        # torch's context_parallel has no sharding rule for the CPU attention kernel: ours alone until a GPU runs it
-        "cp": Strategy("train_cp.py", 2, ["--cp", "2"], [None], 2, formula("cp", dp=1, cp=2), states("ddp", 2, 2)),
-        "cp_ring": Strategy("train_cp.py", 2, ["--cp", "2", "--cp_impl", "ring"], [None], 2,
+        "cp": Strategy("train_cp.py", 2, ["--cp", "2"], cp_impls, 2, formula("cp", dp=1, cp=2), states("ddp", 2, 2)),
+        "cp_ring": Strategy("train_cp.py", 2, ["--cp", "2", "--cp_impl", "ring"], cp_impls, 2,
                             formula("cp", dp=1, cp=2, cp_impl="ring"), states("ddp", 2, 2)),
-        "cp4": Strategy("train_cp.py", 4, ["--cp", "4"], [None], 4, formula("cp", dp=1, cp=4), states("ddp", 4, 4)),
-        "cp4_ring": Strategy("train_cp.py", 4, ["--cp", "4", "--cp_impl", "ring"], [None], 4,
+        "cp4": Strategy("train_cp.py", 4, ["--cp", "4"], cp_impls, 4, formula("cp", dp=1, cp=4), states("ddp", 4, 4)),
+        "cp4_ring": Strategy("train_cp.py", 4, ["--cp", "4", "--cp_impl", "ring"], cp_impls, 4,
                              formula("cp", dp=1, cp=4, cp_impl="ring"), states("ddp", 4, 4)),
     }
 

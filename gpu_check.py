@@ -8,7 +8,8 @@ A GPU machine's first check, in one command that fits a 15-minute lease, the row
    tokens of GPT-2's vocabulary, at the micro-batch the planner fits in this GPU's memory: tokens/s, MFU, step time,
    peak memory.
 2. equivalence: every script at world size 1 (NCCL) in that fast path against train_single.py in float32 without
-   TF32, on --model and --data: the largest relative difference between their losses, step by step.
+   TF32, on --model and --data: the largest relative difference between their losses, step by step. train_cp.py
+   runs ours (both attention methods) and torch's context_parallel, on CUDA alone, at --cp 1 (one GPU).
 3. time permitting: the headline with --activation_checkpointing, then gpt2-medium.
 4. summary: the processes started, how many compiled, the wall time, the rows not run.
 
@@ -39,7 +40,9 @@ import training
 TOLERANCE = 2e-2  # bf16 autocast against float32: measured ~1e-3 relative on the tiny model's losses
 EQUIVALENCE = [["train_single.py"], ["train_ddp.py"], ["train_fsdp.py"], ["train_tp.py", "--tp", "1"],
                ["train_tp.py", "--tp", "1", "--sequence_parallel"], ["train_2d.py", "--tp", "1", "--dp", "1"],
-               ["train_pp.py", "--pp", "1"]]
+               ["train_pp.py", "--pp", "1"], ["train_cp.py", "--cp", "1"],
+               ["train_cp.py", "--cp", "1", "--cp_impl", "ring"], ["train_cp.py", "--cp", "1", "--impl", "torch"]]
+CUDA_ONLY = {"train_cp.py --cp 1 --impl torch": "torch's context_parallel has no sharding rule for the CPU attention"}
 GRACE_S = 120  # how long a run may go on past --budget_s before it is stopped
 MAX_MICRO_BATCH = 64  # 65k tokens a step at block 1024
 GPT2_VOCABULARY = 50257
@@ -88,10 +91,13 @@ class Check:
 
     def run(self, row, command, always=False):
         """One torchrun of command (a script and its flags) for `row`: its metrics records, or None with
-        row["status"] saying why. A run starts only within the budget, unless `always`."""
+        row["status"] saying why. A run starts only within the budget, unless `always`, and a CUDA_ONLY row on CUDA."""
         elapsed = time.perf_counter() - self.started
         if elapsed > self.args.budget_s and not always:
             row["status"] = f"not run: the {self.args.budget_s:g} s budget was spent"
+            return None
+        if row["row"] in CUDA_ONLY and self.args.device != "cuda":
+            row["status"] = f"not run: {CUDA_ONLY[row['row']]}"
             return None
         self.runs.append(command)
         out_dir = os.path.join(self.tmp, f"run-{len(self.runs)}")

@@ -1528,8 +1528,7 @@ def test_bench_formula_counts_every_collective(strategy, model, dtype, corpus, t
     dtype = dtype or default_dtype
     args = argparse.Namespace(model=model, data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
                               dtype=dtype, compile=False, threads=1)
-    impl = None if script == "train_cp.py" else "ours"  # train_cp.py has no --impl: torch's needs a GPU
-    row = bench.run_once(args, strategy, script, ranks, extra, impl, 2, 8, str(tmp_path))
+    row = bench.run_once(args, strategy, script, ranks, extra, "ours", 2, 8, str(tmp_path))
     terms = plan.comm_formula(strategy.split("_")[0], gpt.make_config(model, 256, 32), 8, dtype=dtype,
                               backend="gloo", buckets=train_ddp.assign_buckets, **bench.STRATEGY_CODE, **layout)
     assert row["collectives"] == sum(term.count for term in terms), terms
@@ -1591,7 +1590,8 @@ def test_bench_classifies_collectives_of_both_backends():
 
 GPU_CHECK_ROWS = ["machine", "headline", "reference: train_single.py float32", "train_single.py", "train_ddp.py",
                   "train_fsdp.py", "train_tp.py --tp 1", "train_tp.py --tp 1 --sequence_parallel",
-                  "train_2d.py --tp 1 --dp 1", "train_pp.py --pp 1", "activation checkpointing"]
+                  "train_2d.py --tp 1 --dp 1", "train_pp.py --pp 1", "train_cp.py --cp 1",
+                  "train_cp.py --cp 1 --cp_impl ring", "train_cp.py --cp 1 --impl torch", "activation checkpointing"]
 H200 = dict(name="NVIDIA H200", total_memory=150_000_000_000)  # about 139 GiB
 
 
@@ -1631,7 +1631,7 @@ def test_gpu_check_reports_each_row_before_the_next_run(corpus, tmp_path, monkey
     loss): the headline first, GPT-2 124M at block 1024 in bf16 + --compile at the planner's micro-batch for an
     H200; then the float32 reference and every script in bf16 + --compile; then activation checkpointing and
     gpt2-medium. Each row is in --json when it is reported, before the next run starts; every run shares one
-    inductor cache; the summary counts what a GPU run would start: 11 processes, 10 of them compiling."""
+    inductor cache; the summary counts what a GPU run would start: 14 processes, 13 of them compiling."""
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: argparse.Namespace(**H200))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: H200["name"])
     path, runs = tmp_path / "gpu.json", []
@@ -1645,7 +1645,7 @@ def test_gpu_check_reports_each_row_before_the_next_run(corpus, tmp_path, monkey
     rows, on_disk = _gpu_check(["--device", "cuda", "--data", corpus, "--steps", "4"], path, monkeypatch, launch)
     assert [row["row"] for row in rows] == GPU_CHECK_ROWS + ["larger: gpt2-medium", "summary"], rows
     assert all(row["status"] == "ok" for row in rows) and all(on_disk), rows
-    assert [run["rows"] for run in runs] == list(range(1, 12))  # every row known was on disk before the next run
+    assert [run["rows"] for run in runs] == list(range(1, 15))  # every row known was on disk before the next run
     assert len({run["env"]["TORCHINDUCTOR_CACHE_DIR"] for run in runs}) == 1
     layout = plan.Layout("single", 1, 1, 1, 0, "bfloat16", device="cuda")
     for row, preset in ((rows[1], "gpt2"), (rows[-2], "gpt2-medium")):
@@ -1656,7 +1656,7 @@ def test_gpu_check_reports_each_row_before_the_next_run(corpus, tmp_path, monkey
     assert headline[0] == "train_single.py" and "--compile" in headline and "bfloat16" in headline
     assert "--compile" not in reference and reference[reference.index("--dtype") + 1] == "float32"
     assert "--activation_checkpointing" in runs[-2]["command"] and rows[-3]["micro_batch"] == 64
-    assert rows[-1]["processes"] == 11 and rows[-1]["compiled"] == 10 and rows[-1]["not_run"] == []
+    assert rows[-1]["processes"] == 14 and rows[-1]["compiled"] == 13 and rows[-1]["not_run"] == []
 
 
 @launches_its_own_ranks
@@ -5903,11 +5903,53 @@ def _cp_refused(argv):
     (2, dict(cp=2, dp=2), "--cp 2 x --dp 2 = 4 ranks, but the world has 2: choose --cp and --dp"),
     (2, dict(cp=2, dropout=0.1), "--dropout 0.1 with --cp 2: one device's attention-dropout masks cannot be drawn"),
     (2, dict(cp=2, attn="flash"), "--attn flash with --cp 2: attention over the ranks is train_cp.py's own"),
+    (2, dict(cp=2, impl="torch", device="cpu"), "--impl torch needs CUDA: torch's context_parallel has sharding rules "
+                                                "for the CUDA attention kernels alone"),
 ])
 def test_cp_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path, world_size, overrides,
                                                                       message):
     errors = run_distributed(world_size, _cp_refused, flags(corpus, tmp_path, **overrides))
     assert all(error and message in error for error in errors), errors
+
+
+def _torch_sharded_chunks():
+    """Per (cp, dp) layout of this world: whether torch's context_parallel, inside TorchContextParallel.sharded, gave
+    this rank ours' chunks of the token ids and targets, and their global positions."""
+    import torch_reference
+    rank, matches = dist.get_rank(), []
+    for cp, dp in [(4, 1), (2, 2)]:
+        model = gpt.GPT(gpt.make_config("tiny", 256, 32))
+        cp_model = torch_reference.TorchContextParallel(model, torch.device("cpu"), cp, dp, "ring")
+        generator = torch.Generator().manual_seed(rank // cp)  # a data-parallel rank's rows, alike in its cp group
+        idx, targets = (torch.randint(0, 256, (3, 32), generator=generator) for _ in range(2))
+        pos = train_cp.chunk_positions(rank % cp, cp, 32 // (2 * cp))
+        with cp_model.sharded(idx, targets) as (x, y):
+            matches.append(torch.equal(x, idx[:, pos]) and torch.equal(y, targets[:, pos])
+                           and torch.equal(cp_model.pos, pos))
+        cp_model.restore()
+    return matches
+
+
+def test_cp_torch_context_parallel_shards_the_batch_as_ours():
+    """The part of the --impl torch yardstick that runs on CPU: torch's context_parallel, with its head-tail load
+    balancing, cuts each batch into ours' chunks (and their positions), alone on 4 ranks and within a (dp, cp) mesh."""
+    assert run_distributed(4, _torch_sharded_chunks) == [[True, True]] * 4
+
+
+@launches_its_own_ranks
+@pytest.mark.parametrize("cp_impl", ["allgather", "ring"])
+def test_cp_torch_context_parallel_matches_single(corpus, tmp_path, tmp_path_factory, cp_impl):
+    """--impl torch, the yardstick: torch's context_parallel on 2 GPUs (NCCL), its all-gather and its all-to-all
+    rotation, head-tail chunks, equals train_single.py in float32 over 6 steps with accumulation."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("torch's context_parallel runs on CUDA alone (no sharding rule for the CPU attention kernel): "
+                    "needs 2 GPUs")
+    argv = flags(corpus, tmp_path / "cp", block_size=CP_BLOCK_SIZE, cp=2, cp_impl=cp_impl, impl="torch")
+    with launcher(tmp_path) as start:
+        code, output, _ = start(*standalone(2, "train_cp.py", argv)).wait()
+    assert code == 0, output[-5000:]
+    reference = single_run(corpus, tmp_path_factory, model="tiny", block_size=CP_BLOCK_SIZE)
+    assert_runs_match(read_run(str(tmp_path / "cp")), reference)
 
 
 def _cp_compiled(argv):

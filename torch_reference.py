@@ -3,20 +3,24 @@ PyTorch's own versions of every strategy, behind each script's `--impl torch`: t
 code is tested and benchmarked against. DistributedDataParallel (train_ddp.py), FSDP2's fully_shard
 (train_fsdp.py, on a 2-D mesh for HSDP), DistributedDataParallel with ZeroRedundancyOptimizer (train_zero.py),
 DTensor's parallelize_module with loss parallelism (train_tp.py), and both on a 2-D DeviceMesh
-(train_2d.py). Each function takes the gpt.GPT a script built on meta (DDP: materialised) and returns it ready to
+(train_2d.py), torch.distributed.pipelining (train_pp.py), and the experimental context_parallel (train_cp.py, CUDA
+only). Each function takes the gpt.GPT a script built on meta (DDP: materialised) and returns it ready to
 train with the same initial weights, so the scripts' loops run unchanged.
 """
 
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import context_parallel as sharded_sequences
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 from torch.nn.parallel import DistributedDataParallel
@@ -202,3 +206,58 @@ def pipeline_parallel(stage, index, num_stages, device, pipeline_group, dp_group
         return torch.stack(losses).sum() / len(batches) if losses else torch.zeros((), device=device)
 
     return run_schedule
+
+
+def causal_attention(q, k, v):
+    """gpt.py's SDPA attention, with each query head's key and value head repeated: torch's context_parallel shards
+    only the flash, memory-efficient and cuDNN kernels, and float32 with grouped-query heads would take the math one.
+    F.scaled_dot_product_attention is looked up at each call, where context_parallel patches it."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+class TorchContextParallel(nn.Module):
+    """train_cp.py --impl torch: torch.distributed.tensor.experimental.context_parallel over the "cp" dimension of a
+    (dp, cp) DeviceMesh of consecutive ranks, as train_cp.py's groups. Within sharded(idx, targets) the token ids, the
+    targets and the positions are cut on the sequence dimension into the same head-tail chunks as ours, and SDPA runs
+    as torch's ring attention over the group (--cp_impl allgather: its all-gather rotater; ring: its all-to-all one).
+    Its backward dispatches through the same context, so the loss's backward runs inside it too."""
+
+    def __init__(self, module, device, cp, dp, cp_impl):
+        super().__init__()
+        # Private in torch 2.11 and 2.13 alike (torch.distributed.tensor.experimental._attention re-exports the
+        # _context_parallel package's names where they moved): the rotate method and the load balancing
+        from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+        set_rotate_method({"allgather": "allgather", "ring": "alltoall"}[cp_impl])
+        _cp_options.enable_load_balance = True  # head-tail (the default): rank i holds chunks i and 2·cp-1-i, as ours
+        self.module = module
+        self.mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))["cp"]
+        self.pos = None  # this rank's tokens' global positions, inside sharded()
+        core = torch.compiler.disable(causal_attention)  # DTensor dispatch, collectives: no graph inside
+        for block in module.blocks:
+            block.attn.attend = core
+
+    @contextmanager
+    def sharded(self, idx, targets):
+        """Yields this rank's chunks of idx and targets (copies: context_parallel shards its buffers in place)."""
+        pos = torch.arange(idx.shape[1], device=idx.device).unsqueeze(0)  # [1, T]: a row, cut as idx's rows are
+        buffers = [idx.clone(), targets.clone(), pos]
+        with sharded_sequences(self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+            idx, targets, self.pos = buffers[0], buffers[1], buffers[2][0]
+            try:
+                yield idx, targets
+            finally:
+                self.pos = None
+
+    def forward(self, idx, targets):
+        """The loss over this rank's tokens: the loop's chunks within sharded(), or, outside it (evaluation), whole
+        sequences, sharded here for this forward alone."""
+        if self.pos is not None:
+            return self.module(idx, targets, self.pos)
+        with self.sharded(idx, targets) as (idx, targets):
+            return self.module(idx, targets, self.pos)
+
+    def restore(self):
+        for block in self.module.blocks:
+            del block.attn.attend

@@ -7,6 +7,7 @@ or by passing them around a ring (--cp_impl ring, ring attention). Composed with
 
     torchrun --standalone --nproc_per_node=2 train_cp.py --cp 2                      # tiny model, default corpus
     torchrun --standalone --nproc_per_node=4 train_cp.py --cp 2 --dp 2 --cp_impl ring
+    torchrun --standalone --nproc_per_node=2 train_cp.py --cp 2 --impl torch        # torch's context_parallel (CUDA)
     torchrun --nproc_per_node=8 train_cp.py --cp 8 --model llama3.2-1b --data data/openwebtext --block_size 16384 \
         --dtype bfloat16 --activation_checkpointing
 
@@ -229,6 +230,8 @@ def main(argv=None):
     parser.add_argument("--dp", type=training.positive_int, help="data-parallel size (default: world size / --cp)")
     parser.add_argument("--cp_impl", default="allgather", choices=["allgather", "ring"],
                         help="allgather: every rank's keys and values at once (Llama 3); ring: block by block")
+    parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
+                        help="torch: the experimental context_parallel (CUDA only)")
     parser.add_argument("--bucket_mb", type=training.positive, default=25, help="largest gradient bucket, in MiB")
     args = parser.parse_args(argv)
 
@@ -254,6 +257,9 @@ def main(argv=None):
         import plan
         return plan.print_plan(args, world_size, dp_size)
     device = training.get_device(args, local_rank)
+    if args.impl == "torch" and device.type != "cuda":
+        raise training.UsageError("--impl torch needs CUDA: torch's context_parallel has sharding rules for the CUDA "
+                                  "attention kernels alone (flash, memory-efficient, cuDNN); use --impl ours, or GPUs")
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
     meta, config, train_data, val_data = training.load_data(args, dp_rank, dp_size, device, is_writer=local_rank == 0)
@@ -270,9 +276,16 @@ def main(argv=None):
     gpt.set_attention(model, args.attn)
 
     # ---- strategy: this rank's chunks of its rows; gradients averaged over all cp x dp ranks, each saw other tokens
-    attention = allgather_attention if args.cp_impl == "allgather" else ring_attention
-    cp_model = ContextParallel(model, cp_group, attention)
-    ddp_model = train_ddp.DataParallel(cp_model, args.bucket_mb)
+    if args.impl == "torch":  # its forward and backward run inside torch's context_parallel, a batch at a time
+        import torch_reference
+        cp_model = torch_reference.TorchContextParallel(model, device, cp, dp, args.cp_impl)
+        ddp_model = torch_reference.data_parallel(cp_model, device, args.bucket_mb)
+        batch = cp_model.sharded
+    else:  # ours takes whole sequences and keeps its chunks itself
+        attention = allgather_attention if args.cp_impl == "allgather" else ring_attention
+        cp_model = ContextParallel(model, cp_group, attention)
+        ddp_model = train_ddp.DataParallel(cp_model, args.bucket_mb)
+        batch = lambda x, y: nullcontext((x, y))  # noqa: E731
     parts = checkpoint.parameter_parts(model)
     optimizer = training.make_optimizer(training.decay_groups(model.parameters()), args, device)
     forward = training.wrap_blocks(ddp_model, args.compile, args.activation_checkpointing)
@@ -291,8 +304,10 @@ def main(argv=None):
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(train_data.accumulation):
             x, y = train_data.get(step, micro_step)
-            # Only the last micro-step's backward all-reduces; the ones before accumulate locally.
-            with nullcontext() if micro_step + 1 == train_data.accumulation else ddp_model.no_sync():
+            # Only the last micro-step's backward all-reduces; the ones before accumulate locally. --impl torch: x and y
+            # become this rank's chunks, and forward and backward both run inside torch's context_parallel.
+            sync = nullcontext() if micro_step + 1 == train_data.accumulation else ddp_model.no_sync()
+            with sync, batch(x, y) as (x, y):
                 with autocast:
                     loss = forward(x, y) / train_data.accumulation  # this rank's tokens' mean; averaged over ranks
                 loss.backward()
