@@ -524,16 +524,17 @@ LLAMA3_VOCAB_SIZE = 128256  # Llama 3's tokenizer: 128,000 BPE tokens and 256 sp
 
 
 def plan_config(args):
-    """The model --plan describes: --model's preset with the data's vocabulary (meta.json; the default corpus's
-    bytes before it is built; for a folder not prepared yet, Llama 3's 128,256 tokens for a Llama preset, GPT-2's
-    50,257 for another)."""
+    """The model --plan describes: --model's preset with the data's vocabulary (meta.json), or the preset's own
+    tokenizer's (Llama 3's 128,256 tokens for a Llama preset, GPT-2's 50,257 for another) for a folder not prepared
+    yet and for the default corpus, whose bytes are the CPU presets' alone: nobody trains GPT-3 on bytes."""
     preset = args.model or (args.init_from if args.init_from in gpt.PRESETS else "tiny")
-    if os.path.exists(os.path.join(args.data, "meta.json")):
+    own = LLAMA3_VOCAB_SIZE if gpt.PRESETS[preset].get("rope_theta") else 50257
+    if args.data == prepare_data.DEFAULT_DATA_DIR:
+        vocab_size = 256 if preset in ("tiny", "llama-tiny") else own
+    elif os.path.exists(os.path.join(args.data, "meta.json")):
         vocab_size = prepare_data.load_meta(args.data)["vocab_size"]
-    elif args.data == prepare_data.DEFAULT_DATA_DIR:
-        vocab_size = 256
     else:
-        vocab_size = LLAMA3_VOCAB_SIZE if gpt.PRESETS[preset].get("rope_theta") else 50257
+        vocab_size = own
     return gpt.make_config(preset, vocab_size, args.block_size, args.dropout), preset
 
 
