@@ -5711,6 +5711,16 @@ def test_init_from_sharded_checkpoint_opens_only_its_files(tmp_path):
         assert f"read {read / 1e6:,.1f} MB from {len(opened)} files" == hugging_face.read_summary()
 
 
+def test_plan_of_a_real_preset_on_the_default_corpus_takes_its_own_tokenizer(capsys):
+    """The issue's 405B command names no --data: the byte corpus is the CPU presets' alone, so a real preset is
+    planned with its own tokenizer's vocabulary (the guide's run has Llama 3's 128,256 tokens), tiny with 256."""
+    argv = ["--plan", "--world_size", "64", "--block_size", "4096", "--micro_batch", "1", "--global_batch", "64"]
+    _, llama = command_line(train_fsdp.main, argv + ["--model", "llama3.1-405b"], capsys)
+    _, gpt3 = command_line(train_fsdp.main, argv + ["--model", "gpt3-175b"], capsys)
+    _, tiny = command_line(train_fsdp.main, ["--plan", "--world_size", "2"], capsys)
+    assert "vocabulary 128,256" in llama and "vocabulary 50,257" in gpt3 and "vocabulary 256)" in tiny
+
+
 def test_plan_cpu_offload_moves_the_model_states_to_the_host(capsys, tmp_path):
     """--cpu_offload: the planner takes FSDP's shards, their gradients and AdamW off the GPU, puts the same bytes in
     host memory (per rank, and per node of 8), and adds the float32 shards that visit the device; nothing else moves."""
