@@ -19,15 +19,11 @@ import torch.nn.functional as F
 
 import gpt
 
-# torch >= 2.13's names for the two collectives, or the older ones (same signatures)
-all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the name before torch 2.13
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
-# ------------------------------------------------------------------------------------------------------------
 # Megatron-LM's mappings: a collective in forward, its conjugate in backward. Activations are gpt.py's [batch,
 # sequence, hidden]; sequence parallelism splits dim 1, so its collectives copy to or from rank-after-rank order.
-
-
 def _all_gather(x, dim, group):  # every rank's x, concatenated along dim
     gathered = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])  # rank after rank
     all_gather_single(gathered, x.contiguous(), group=group)
@@ -122,31 +118,28 @@ def g(x, group, sequence_parallel):
     return region.apply(x.to(compute_dtype(x)), group)
 
 
-# ------------------------------------------------------------------------------------------------------------
 # Layers. Each replaces a gpt.py module and keeps its parameter names; `boxes` says where each sliced parameter
 # lies in the full tensor, as (full shape, box), for init, checkpoints and the gradient norm.
-
-
-def _shard(tensor, group, dim):
-    """An empty parameter for this rank's slice of tensor along dim, and its (full shape, box)."""
+def _shard(layer, name, tensor, group, dim):
+    """Give layer an empty parameter `name` for this rank's slice of tensor along dim; return [start, stop) on dim."""
     size = tensor.shape[dim] // dist.get_world_size(group)  # main() has checked that it divides
     start = dist.get_rank(group) * size
     box = [(0, n) for n in tensor.shape]
     box[dim] = (start, start + size)
-    return nn.Parameter(torch.empty_like(tensor.narrow(dim, start, size))), (tensor.shape, box)
+    setattr(layer, name, nn.Parameter(torch.empty_like(tensor.narrow(dim, start, size))))
+    layer.boxes[name] = (tensor.shape, box)
+    return box[dim]
 
 
 class ColumnParallelLinear(nn.Module):
     """Y_i = f(X) A_i: output features split, rank i holding rows i of A (for q, k and v: its own heads). Layers that
     read one input (q, k and v; gate and fc) share their region's one f instead: starts_region=False."""
-
     def __init__(self, linear, group, sequence_parallel, starts_region=True):
         super().__init__()
         self.group, self.sequence_parallel, self.starts_region = group, sequence_parallel, starts_region
         self.bias, self.boxes = None, {}
         for name, param in linear.named_parameters():  # weight [out, in] and bias [out]
-            shard, self.boxes[name] = _shard(param, group, 0)
-            setattr(self, name, shard)
+            _shard(self, name, param, group, 0)
 
     def forward(self, x):
         if self.starts_region:
@@ -156,13 +149,11 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Y = g(sum_i X_i A_i) + b: input features split; g ends the region, then the replicated bias is added once."""
-
     def __init__(self, linear, group, sequence_parallel):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.bias = linear.bias
-        self.weight, weight_box = _shard(linear.weight, group, 1)
-        self.boxes = {"weight": weight_box}
+        self.bias, self.boxes = linear.bias, {}
+        _shard(self, "weight", linear.weight, group, 1)
 
     def forward(self, x):
         y = g(F.linear(x, self.weight), self.group, self.sequence_parallel)
@@ -172,13 +163,10 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, stop) of the padded vocabulary: other ids look up zeros, and g sums the ranks' rows (under
     sequence parallelism it reduce-scatters them: the residual stream starts sharded)."""
-
     def __init__(self, embedding, group, sequence_parallel):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight, weight_box = _shard(embedding.weight, group, 0)
-        self.boxes = {"weight": weight_box}
-        self.start, self.stop = weight_box[1][0]
+        self.group, self.sequence_parallel, self.boxes = group, sequence_parallel, {}
+        self.start, self.stop = _shard(self, "weight", embedding.weight, group, 0)  # its rows of the vocabulary
 
     def forward(self, idx):
         outside = (idx < self.start) | (idx >= self.stop)
@@ -188,7 +176,6 @@ class VocabParallelEmbedding(nn.Module):
 
 class SequenceParallelPositions(nn.Module):
     """GPT-2's position table, whole, looked up at this rank's sequence shard of the positions (its token shard's)."""
-
     def __init__(self, embedding, group):
         super().__init__()
         self.weight, self.rank, self.world = embedding.weight, dist.get_rank(group), dist.get_world_size(group)
@@ -200,7 +187,6 @@ class SequenceParallelPositions(nn.Module):
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of vocabulary-split logits: all-reduces of one number per token replace an all-gather
     of [tokens, vocab], and backward sends nothing."""
-
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_size):
         vocab = logits.shape[-1]
@@ -233,7 +219,6 @@ class SlicedDropout(nn.Dropout):
     Each rank draws the whole tensor's mask from the default generators (TP peers hold them alike) as one device
     would, and keeps its slice: no generator is forked, so evaluation draws nothing, resume and recompute replay the
     masks, and a compiled block holds plain random ops. The cost: t times the draws, and the whole mask briefly."""
-
     def __init__(self, p, group, dim):
         super().__init__(p)
         self.dim, self.rank, self.world = dim, dist.get_rank(group), dist.get_world_size(group)
