@@ -22,6 +22,7 @@ import gpt
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the name before torch 2.13
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
+
 # Megatron-LM's mappings: a collective in forward, its conjugate in backward. Activations are gpt.py's [batch,
 # sequence, hidden]; sequence parallelism splits dim 1, so its collectives copy to or from rank-after-rank order.
 def _all_gather(x, dim, group):  # every rank's x, concatenated along dim
@@ -166,7 +167,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, embedding, group, sequence_parallel):
         super().__init__()
         self.group, self.sequence_parallel, self.boxes = group, sequence_parallel, {}
-        self.start, self.stop = _shard(self, "weight", embedding.weight, group, 0)  # its rows of the vocabulary
+        self.start, self.stop = _shard(self, "weight", embedding.weight, group, 0)
 
     def forward(self, idx):
         outside = (idx < self.start) | (idx >= self.stop)
@@ -250,7 +251,6 @@ def sampling_hooks(model, multiple, gather):
     """generate() calls model(idx) without targets, at any length, and wants whole logits (here and in
     torch_reference.py): pad idx to a `multiple` of the sequence shards (causal: the padding never reaches a real
     position), gather the logits, drop the padding."""
-
     def pad(module, args):
         module.sequence_length = args[0].shape[1]
         if module.sequence_length % multiple:  # a prompt, not a training batch: no copy of idx every step
@@ -274,12 +274,11 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
         model.wpe = SequenceParallelPositions(model.wpe, group)
     for block in model.blocks:
         for name, module in list(block.named_modules()):  # GPT-2's MLP has no gate
-            if name in COLUMN_PARALLEL:  # q, k and v (gate and fc) read one input: the region's one f, below
+            if name in COLUMN_PARALLEL:
                 block.set_submodule(name, ColumnParallelLinear(module, group, sequence_parallel, starts_region=False))
             if name in ROW_PARALLEL:
                 block.set_submodule(name, RowParallelLinear(module, group, sequence_parallel))
-        # A hook, because gpt.py's attention and MLP hand x to q, k and v (gate and fc) themselves: f once, before
-        for region in (block.attn, block.mlp):
+        for region in (block.attn, block.mlp):  # hooked: gpt.py's attention and MLP call q, k, v (gate, fc) themselves
             region.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel), *args[1:]))
         block.attn.attn_dropout = SlicedDropout(model.config.dropout, group, dim=1)  # of this rank's heads
     for name, module in list(model.named_modules()):  # the residual stream's dropouts: on this rank's shard
