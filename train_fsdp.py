@@ -22,8 +22,6 @@ import gpt
 
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the name before torch 2.13
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
 FlatMember = namedtuple("FlatMember", "name shape uses local span")  # uses: every (module, attribute) holding it
 
 
@@ -32,7 +30,6 @@ class FlatParameter:
     master weights), and registers each parameter as its piece of it. `full` is the whole, in the compute dtype: one
     buffer whose storage is allocated for each all-gather and freed after use, as FSDP does. Autograd keeps the views
     it saved for backward; they point into the storage again once the next gather has refilled it."""
-
     def __init__(self, entries, wrapper, initial_value):
         self.wrapper = wrapper
         self.world = dist.get_world_size(wrapper.group)
@@ -109,7 +106,6 @@ class FlatParameter:
 class ReduceScatterGrad(torch.autograd.Function):
     """Identity from the shard to `full`, so the weights' views hang from the shard in the graph: its backward gets
     the whole buffer's gradient, once, reduce-scatters it into the shard's gradient and frees `full`."""
-
     @staticmethod
     def forward(ctx, shard, full, flat):
         ctx.flat = flat
@@ -157,7 +153,6 @@ class FullyShardedDataParallel(nn.Module):
     (full shape, box)}: train_2d.py's tensor-parallel slices. replicate_group (HSDP): the ranks holding this rank's
     shards in the other copies of process_group, over which each gradient shard is averaged too. Its parameters are
     this rank's pieces of the module's, by their names: views into the shards, which parameter_groups() gives AdamW."""
-
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None,
                  cpu_offload=False):
@@ -324,10 +319,10 @@ def main(argv=None):
         model, groups, clip_grad_norm = torch_reference.fully_shard_model(model, config, args, device)
         parts = None  # its checkpoints gather each tensor whole
     else:
-        model = FullyShardedDataParallel(model, process_group=shard_group, device=device,
-                                         compute_dtype=getattr(torch, args.dtype), reshard_after_forward=not
-                                         args.no_reshard, initial_value=value, replicate_group=replicate_group,
-                                         cpu_offload=args.cpu_offload)
+        model = FullyShardedDataParallel(
+            model, process_group=shard_group, device=device, compute_dtype=getattr(torch, args.dtype),
+            reshard_after_forward=not args.no_reshard, initial_value=value, replicate_group=replicate_group,
+            cpu_offload=args.cpu_offload)
         groups = model.parameter_groups()
         clip_grad_norm = model.clip_grad_norm_
         parts = [checkpoint.Part(*where) for where in model.parts()]
@@ -362,7 +357,7 @@ def main(argv=None):
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # each rank summed only its own rows
             logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
 
-        # ---- checkpoint: every rank writes the pieces its shards hold (HSDP: the first shard group; the others copy it)
+        # ---- checkpoint: every rank writes the pieces its shards hold (HSDP: the first shard group; the others copy)
         if checkpoint.due(step, args) or stopping:
             tensors = (torch_reference.full_tensors(model, optimizer, rank == 0) if parts is None
                        else checkpoint.pieces(parts if rank < shards else [], optimizer))

@@ -19,15 +19,12 @@ import torch.nn.functional as F
 
 import gpt
 
-# torch >= 2.13's names for the two collectives, or the older ones (same signatures)
-all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the name before torch 2.13
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
-# ------------------------------------------------------------------------------------------------------------
+
 # Megatron-LM's mappings: a collective in forward, its conjugate in backward. Activations are gpt.py's [batch,
 # sequence, hidden]; sequence parallelism splits dim 1, so its collectives copy to or from rank-after-rank order.
-
-
 def _all_gather(x, dim, group):  # every rank's x, concatenated along dim
     gathered = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])  # rank after rank
     all_gather_single(gathered, x.contiguous(), group=group)
@@ -122,31 +119,28 @@ def g(x, group, sequence_parallel):
     return region.apply(x.to(compute_dtype(x)), group)
 
 
-# ------------------------------------------------------------------------------------------------------------
 # Layers. Each replaces a gpt.py module and keeps its parameter names; `boxes` says where each sliced parameter
 # lies in the full tensor, as (full shape, box), for init, checkpoints and the gradient norm.
-
-
-def _shard(tensor, group, dim):
-    """An empty parameter for this rank's slice of tensor along dim, and its (full shape, box)."""
+def _shard(layer, name, tensor, group, dim):
+    """Give layer an empty parameter `name` for this rank's slice of tensor along dim; return [start, stop) on dim."""
     size = tensor.shape[dim] // dist.get_world_size(group)  # main() has checked that it divides
     start = dist.get_rank(group) * size
     box = [(0, n) for n in tensor.shape]
     box[dim] = (start, start + size)
-    return nn.Parameter(torch.empty_like(tensor.narrow(dim, start, size))), (tensor.shape, box)
+    setattr(layer, name, nn.Parameter(torch.empty_like(tensor.narrow(dim, start, size))))
+    layer.boxes[name] = (tensor.shape, box)
+    return box[dim]
 
 
 class ColumnParallelLinear(nn.Module):
     """Y_i = f(X) A_i: output features split, rank i holding rows i of A (for q, k and v: its own heads). Layers that
     read one input (q, k and v; gate and fc) share their region's one f instead: starts_region=False."""
-
     def __init__(self, linear, group, sequence_parallel, starts_region=True):
         super().__init__()
         self.group, self.sequence_parallel, self.starts_region = group, sequence_parallel, starts_region
         self.bias, self.boxes = None, {}
         for name, param in linear.named_parameters():  # weight [out, in] and bias [out]
-            shard, self.boxes[name] = _shard(param, group, 0)
-            setattr(self, name, shard)
+            _shard(self, name, param, group, 0)
 
     def forward(self, x):
         if self.starts_region:
@@ -156,13 +150,11 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Y = g(sum_i X_i A_i) + b: input features split; g ends the region, then the replicated bias is added once."""
-
     def __init__(self, linear, group, sequence_parallel):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.bias = linear.bias
-        self.weight, weight_box = _shard(linear.weight, group, 1)
-        self.boxes = {"weight": weight_box}
+        self.bias, self.boxes = linear.bias, {}
+        _shard(self, "weight", linear.weight, group, 1)
 
     def forward(self, x):
         y = g(F.linear(x, self.weight), self.group, self.sequence_parallel)
@@ -172,13 +164,10 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, stop) of the padded vocabulary: other ids look up zeros, and g sums the ranks' rows (under
     sequence parallelism it reduce-scatters them: the residual stream starts sharded)."""
-
     def __init__(self, embedding, group, sequence_parallel):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight, weight_box = _shard(embedding.weight, group, 0)
-        self.boxes = {"weight": weight_box}
-        self.start, self.stop = weight_box[1][0]
+        self.group, self.sequence_parallel, self.boxes = group, sequence_parallel, {}
+        self.start, self.stop = _shard(self, "weight", embedding.weight, group, 0)
 
     def forward(self, idx):
         outside = (idx < self.start) | (idx >= self.stop)
@@ -188,7 +177,6 @@ class VocabParallelEmbedding(nn.Module):
 
 class SequenceParallelPositions(nn.Module):
     """GPT-2's position table, whole, looked up at this rank's sequence shard of the positions (its token shard's)."""
-
     def __init__(self, embedding, group):
         super().__init__()
         self.weight, self.rank, self.world = embedding.weight, dist.get_rank(group), dist.get_world_size(group)
@@ -200,7 +188,6 @@ class SequenceParallelPositions(nn.Module):
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of vocabulary-split logits: all-reduces of one number per token replace an all-gather
     of [tokens, vocab], and backward sends nothing."""
-
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_size):
         vocab = logits.shape[-1]
@@ -233,7 +220,6 @@ class SlicedDropout(nn.Dropout):
     Each rank draws the whole tensor's mask from the default generators (TP peers hold them alike) as one device
     would, and keeps its slice: no generator is forked, so evaluation draws nothing, resume and recompute replay the
     masks, and a compiled block holds plain random ops. The cost: t times the draws, and the whole mask briefly."""
-
     def __init__(self, p, group, dim):
         super().__init__(p)
         self.dim, self.rank, self.world = dim, dist.get_rank(group), dist.get_world_size(group)
@@ -265,7 +251,6 @@ def sampling_hooks(model, multiple, gather):
     """generate() calls model(idx) without targets, at any length, and wants whole logits (here and in
     torch_reference.py): pad idx to a `multiple` of the sequence shards (causal: the padding never reaches a real
     position), gather the logits, drop the padding."""
-
     def pad(module, args):
         module.sequence_length = args[0].shape[1]
         if module.sequence_length % multiple:  # a prompt, not a training batch: no copy of idx every step
@@ -289,12 +274,11 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
         model.wpe = SequenceParallelPositions(model.wpe, group)
     for block in model.blocks:
         for name, module in list(block.named_modules()):  # GPT-2's MLP has no gate
-            if name in COLUMN_PARALLEL:  # q, k and v (gate and fc) read one input: the region's one f, below
+            if name in COLUMN_PARALLEL:
                 block.set_submodule(name, ColumnParallelLinear(module, group, sequence_parallel, starts_region=False))
             if name in ROW_PARALLEL:
                 block.set_submodule(name, RowParallelLinear(module, group, sequence_parallel))
-        # A hook, because gpt.py's attention and MLP hand x to q, k and v (gate and fc) themselves: f once, before
-        for region in (block.attn, block.mlp):
+        for region in (block.attn, block.mlp):  # hooked: gpt.py's attention and MLP call q, k, v (gate, fc) themselves
             region.register_forward_pre_hook(lambda module, args: (f(args[0], group, sequence_parallel), *args[1:]))
         block.attn.attn_dropout = SlicedDropout(model.config.dropout, group, dim=1)  # of this rank's heads
     for name, module in list(model.named_modules()):  # the residual stream's dropouts: on this rank's shard
