@@ -153,7 +153,7 @@ def parallelize_with_dtensor(model, mesh, sequence_parallel, loss_parallel):
     if loss_parallel:
         model.loss_fn = DTensorLossParallel.apply
     whole = lambda logits: logits.full_tensor() if isinstance(logits, DTensor) else logits  # noqa: E731
-    return train_tp.sampling_hooks(model, mesh.size() if sequence_parallel else 1, whole)
+    return training.sampling_hooks(model, mesh.size() if sequence_parallel else 1, whole)
 
 
 def clip_grad_norm_(parameters, max_norm):

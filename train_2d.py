@@ -87,7 +87,8 @@ def main(argv=None):
         model, groups, clip_grad_norm = torch_reference.fully_shard_tensor_parallel(model, config, args, device, tp, dp)
         parts = None  # its checkpoints gather each tensor whole
     else:
-        train_tp.parallelize(model, tp_group, args.sequence_parallel, not args.no_loss_parallel)
+        gather = train_tp.parallelize(model, tp_group, args.sequence_parallel, not args.no_loss_parallel)
+        training.sampling_hooks(model, tp if args.sequence_parallel else 1, gather)
         tp_parts = {part.name: part for part in checkpoint.parameter_parts(model)}
         value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
         model = train_fsdp.FullyShardedDataParallel(
@@ -95,8 +96,7 @@ def main(argv=None):
             reshard_after_forward=not args.no_reshard, tp_boxes={name: (p.shape, p.box) for name, p in tp_parts.items()},
             initial_value=value, cpu_offload=args.cpu_offload)
         groups, parts = model.parameter_groups(), [checkpoint.Part(*where) for where in model.parts()]
-        clip_grad_norm = partial(train_tp.clip_grad_norm_, list(model.named_parameters()), tp_group=tp_group,
-                                 device=device)
+        clip_grad_norm = partial(train_tp.clip_grad_norm_, list(model.named_parameters()), tp_group, device)
     optimizer = training.make_optimizer(groups, args, device)
     forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()

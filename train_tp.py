@@ -101,8 +101,7 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
 
 
 def compute_dtype(x):
-    """What the next matmul reads x in: autocast's while it is on (a layer norm outputs float32, which the matmul
-    casts anyway), else x's dtype. f and g send x in it, their conjugates its gradient (autograd casts it back)."""
+    """What the next matmul reads x in, autocast's or x's: f and g send x in it, their conjugates its gradient."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
@@ -186,8 +185,7 @@ class SequenceParallelPositions(nn.Module):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of vocabulary-split logits: all-reduces of one number per token replace an all-gather
-    of [tokens, vocab], and backward sends nothing."""
+    """Per-token cross-entropy of vocabulary-split logits: 3 numbers a token all-reduced, not [tokens, vocab]."""
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_size):
         vocab = logits.shape[-1]
@@ -216,10 +214,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 class SlicedDropout(nn.Dropout):
-    """Dropout on this rank's slice (along `dim`) of a tensor split over the group: its heads, or its sequence shard.
-    Each rank draws the whole tensor's mask from the default generators (TP peers hold them alike) as one device
-    would, and keeps its slice: no generator is forked, so evaluation draws nothing, resume and recompute replay the
-    masks, and a compiled block holds plain random ops. The cost: t times the draws, and the whole mask briefly."""
+    """Dropout on this rank's slice (along `dim`: its heads, its sequence shard) of a tensor split over the group:
+    it draws the whole mask as one device would (TP peers hold the same generators) and keeps its slice."""
     def __init__(self, p, group, dim):
         super().__init__(p)
         self.dim, self.rank, self.world = dim, dist.get_rank(group), dist.get_world_size(group)
@@ -247,26 +243,9 @@ def is_sliced(name):
     return vocabulary or module.endswith(COLUMN_PARALLEL) or (module.endswith(ROW_PARALLEL) and kind == "weight")
 
 
-def sampling_hooks(model, multiple, gather):
-    """generate() calls model(idx) without targets, at any length, and wants whole logits (here and in
-    torch_reference.py): pad idx to a `multiple` of the sequence shards (causal: the padding never reaches a real
-    position), gather the logits, drop the padding."""
-    def pad(module, args):
-        module.sequence_length = args[0].shape[1]
-        if module.sequence_length % multiple:  # a prompt, not a training batch: no copy of idx every step
-            return (F.pad(args[0], (0, -module.sequence_length % multiple)), *args[1:])
-
-    def unpad(module, args, out):
-        if out.dim() == 3:  # logits, not a loss
-            return gather(out)[:, :module.sequence_length]
-
-    model.register_forward_pre_hook(pad)
-    model.register_forward_hook(unpad)
-    return model
-
-
 def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
-    """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place (on meta, before to_empty)."""
+    """Swap a gpt.GPT's modules for tensor-parallel ones over `group`, in place (on meta, before to_empty); return
+    the function that gathers whole logits from the vocabulary slices (for sampling: training.sampling_hooks)."""
     model.wte = VocabParallelEmbedding(model.wte, group, sequence_parallel)
     model.lm_head = ColumnParallelLinear(model.lm_head, group, sequence_parallel)  # the same vocabulary rows as wte's
     model.tie_weights()  # tied: the LM head's weight is wte's slice
@@ -290,13 +269,12 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
             logits, targets, group, model.config.vocab_size).mean()
     else:  # Megatron's parallel_output=False: every rank gathers the whole [tokens, vocab] logits
         model.loss_fn = lambda logits, targets: gpt.cross_entropy(gather(logits), targets, model.config.vocab_size)
-    return sampling_hooks(model, dist.get_world_size(group) if sequence_parallel else 1, gather)
+    return gather
 
 
 def allreduce_replicated_grads(named_parameters, group, device):
-    """Under sequence parallelism a replicated parameter (layer norms, wpe, row-parallel biases) saw only this rank's
-    sequence shard: sum their gradients in one flat all-reduce. In train_2d.py named_parameters are this rank's FSDP
-    pieces: TP peers shard alike, so their pieces hold the same elements (on the host under --cpu_offload)."""
+    """Under sequence parallelism a replicated parameter (norms, wpe, row-parallel biases) saw only this rank's
+    sequence shard: sum their gradients in one flat all-reduce (train_2d.py: of the FSDP pieces TP peers share)."""
     grads = [param.grad.view(-1) for name, param in named_parameters if not is_sliced(name)]
     if grads:
         flat = torch.cat(grads).to(device)  # NCCL reduces device memory only
@@ -304,7 +282,7 @@ def allreduce_replicated_grads(named_parameters, group, device):
         torch._foreach_copy_(grads, flat.to(grads[0].device).split([len(grad) for grad in grads]))
 
 
-def clip_grad_norm_(named_parameters, max_norm, tp_group, device):
+def clip_grad_norm_(named_parameters, tp_group, device, max_norm):
     """The full model's gradient norm, each element counted once: slices on their own rank, replicated parameters
     on TP rank 0 only (in train_2d.py each is also an FSDP piece, disjoint across data-parallel ranks)."""
     first = dist.get_rank(tp_group) == 0
@@ -353,7 +331,8 @@ def main(argv=None):
         model, groups, clip_grad_norm = torch_reference.tensor_parallel(model, config, args, device)
         parts = None  # its checkpoints gather each tensor whole
     else:
-        parallelize(model, dist.group.WORLD, args.sequence_parallel, not args.no_loss_parallel)
+        gather = parallelize(model, dist.group.WORLD, args.sequence_parallel, not args.no_loss_parallel)
+        training.sampling_hooks(model, world_size if args.sequence_parallel else 1, gather)
         model.to_empty(device=device)
         model.tie_weights()  # to_empty() gives each module its own tensor: tie them again
         parts = checkpoint.parameter_parts(model)
@@ -361,8 +340,7 @@ def main(argv=None):
         for part in parts:  # each rank reads its own slices only: together the ranks hold train_single's weights
             part.local().copy_(value(part.name, part.shape, part.box, part.flat))
         groups = training.decay_groups(model.parameters())
-        clip_grad_norm = partial(clip_grad_norm_, list(model.named_parameters()), tp_group=dist.group.WORLD,
-                                 device=device)
+        clip_grad_norm = partial(clip_grad_norm_, list(model.named_parameters()), dist.group.WORLD, device)
     gpt.set_attention(model, args.attn)
 
     # ---- strategy: sharded matrices, replicated norms and biases; replicated tensors are saved by rank 0 only

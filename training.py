@@ -24,6 +24,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
@@ -488,6 +489,23 @@ def estimate_loss(model, sampler, iters, autocast, dp_group=None):
     if dp_group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.AVG, group=dp_group)
     return total.item()
+
+
+def sampling_hooks(model, multiple, gather):
+    """Sampling from a tensor-parallel model (train_tp.py's, train_2d.py's, torch_reference.py's): generate() calls
+    model(idx) at any length and wants whole logits. Pad idx to a `multiple` of the sequence shards (causal: the padding
+    never reaches a real position), gather the logits' vocabulary slices (`gather`), drop the padding."""
+    def pad(module, args):
+        module.sequence_length = args[0].shape[1]
+        if module.sequence_length % multiple:  # a prompt, not a training batch: no copy of idx every step
+            return (F.pad(args[0], (0, -module.sequence_length % multiple)), *args[1:])
+
+    def unpad(module, args, out):
+        return gather(out)[:, :module.sequence_length] if out.dim() == 3 else out  # logits, not a loss
+
+    model.register_forward_pre_hook(pad)
+    model.register_forward_hook(unpad)
+    return model
 
 
 def sample(model, meta, args, device, autocast, show):
