@@ -89,10 +89,11 @@ def comm_bytes(args, tmp):
                                     threads=1, bucket_mb=25, sequence_parallel=False)
     table, result = bench.strategies(bench_args), {}
     for name in COMM_STRATEGIES:
-        script, ranks, extra, impls, group_size, formula = table[name]
-        row = {"terms": [[t.kind, t.what, t.bytes] for t in formula()]}
-        for impl in [impl for impl in impls if impl in COMM_IMPLS]:
-            row[impl] = bench.run_once(bench_args, name, script, ranks, extra, impl, group_size, 16, tmp)["comm_bytes"]
+        strategy = table[name]
+        row = {"terms": [[t.kind, t.what, t.bytes] for t in strategy.formula()]}
+        for impl in [impl for impl in strategy.impls if impl in COMM_IMPLS]:
+            row[impl] = bench.run_once(bench_args, name, strategy.script, strategy.ranks, strategy.flags, impl,
+                                       strategy.group_size, 16, tmp)["comm_bytes"]
         result[name] = row
     return result
 
