@@ -299,10 +299,11 @@ def single_run(corpus, tmp_path_factory, **overrides):
     return _single_runs[key]
 
 
-def assert_runs_match(run, reference, tolerance=TOLERANCE, weight_tolerance=WEIGHT_TOLERANCE):
+def assert_runs_match(run, reference, tolerance=TOLERANCE, weight_tolerance=WEIGHT_TOLERANCE, grad_norm_tolerance=None):
     assert len(run.losses) == len(reference.losses)
     np.testing.assert_allclose(run.losses, reference.losses, rtol=tolerance, atol=0, err_msg="losses")
-    np.testing.assert_allclose(run.grad_norms, reference.grad_norms, rtol=tolerance, atol=0, err_msg="grad norms")
+    np.testing.assert_allclose(run.grad_norms, reference.grad_norms, rtol=grad_norm_tolerance or tolerance, atol=0,
+                               err_msg="grad norms")
     np.testing.assert_allclose(run.lrs, reference.lrs, rtol=1e-12, atol=0, err_msg="learning rates")  # one formula
     assert run.val_losses.keys() == reference.val_losses.keys()
     np.testing.assert_allclose(list(run.val_losses.values()), list(reference.val_losses.values()), rtol=tolerance,
@@ -5848,9 +5849,13 @@ def cp_run(corpus, tmp_path_factory, ranks, **overrides):
 def test_cp_matches_single(corpus, tmp_path_factory, cp_impl, model, cp, dp):
     """6 steps of 16 sequences of 64 tokens, accumulation 8 (4 with --dp 2), clipping active: each method on GPT-2's
     learned positions and Llama's rotary angles (grouped-query attention: 2 KV heads of 4), on 2 and 4
-    context-parallel ranks and composed with 2 data-parallel ones, computes what one device computes."""
+    context-parallel ranks and composed with 2 data-parallel ones, computes what one device computes. Llama's
+    gradient norm at step 4 is ill-conditioned at these weights: with every weight within 1e-5 of single's after 4, 5
+    and 6 steps (all-gather on 2 ranks) and every loss within 5e-6, the norm there differed by up to 8e-4 (relative;
+    steps 0-3 within 3e-7)."""
     run = cp_run(corpus, tmp_path_factory, cp * dp, model=model, cp=cp, dp=dp, cp_impl=cp_impl)
-    assert_runs_match(run, single_run(corpus, tmp_path_factory, model=model, block_size=CP_BLOCK_SIZE))
+    assert_runs_match(run, single_run(corpus, tmp_path_factory, model=model, block_size=CP_BLOCK_SIZE),
+                      grad_norm_tolerance=1e-3 if model == "llama-tiny" else None)
 
 
 def _cp_attention_against_one_device(cp_impl):
