@@ -10,6 +10,7 @@ several optimizer steps, in float32 on CPU, within reduction-order noise (TOLERA
 
 import argparse
 import ast
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -2967,13 +2968,49 @@ def _fully_sharded_tensor_parallel_model(config, value):
         initial_value=value)
 
 
+class CountingSafetensorsFile:
+    """A file safetensors' safe_open opened, counting into loaded[name] the elements of every tensor that leaves it,
+    whole (get_tensor) or a box of one (get_slice(...)[box]): what a rank took from the file, whatever it kept."""
+
+    def __init__(self, file, loaded, name):
+        self.file, self.loaded, self.name = file, loaded, name
+        loaded[name] += 0  # opened, if nothing is read
+
+    def __enter__(self):
+        self.file.__enter__()
+        return self
+
+    def __exit__(self, *exception):
+        return self.file.__exit__(*exception)
+
+    def counted(self, tensor):
+        self.loaded[self.name] += tensor.numel()
+        return tensor
+
+    def get_tensor(self, name):
+        return self.counted(self.file.get_tensor(name))
+
+    def get_slice(self, name):
+        return CountingSlice(self.file.get_slice(name), self.counted)
+
+
+class CountingSlice:
+    def __init__(self, stored, counted):
+        self.stored, self.counted = stored, counted
+
+    def __getitem__(self, box):
+        return self.counted(self.stored[box])
+
+
 def _load_and_run(layout, folder, idx):
     """Build `layout` as its script does, from the checkpoint in `folder`: (whole logits of idx[:, :-1], the pipeline:
-    at its last position, the loss on idx[:, 1:], the size of every tensor read from the files, the sizes and row
-    widths of the parts this rank holds, their names, the files it mapped to read them)."""
+    at its last position, the loss on idx[:, 1:], the size of every tensor HuggingFaceCheckpoint.read gave, the names,
+    sizes and row widths of the parts this rank holds, their names, {file this rank opened: the elements that left it},
+    counted at safetensors' safe_open)."""
     with open(os.path.join(folder, "config.json")) as f:
         config = hugging_face.config_from_hugging_face(json.load(f), block_size=idx.shape[1] - 1, dropout=0.0)
-    reads, opened, real_read, real_open = [], set(), hugging_face.HuggingFaceCheckpoint.read, hugging_face.safe_open
+    reads, loaded = [], collections.Counter()
+    real_read, real_open = hugging_face.HuggingFaceCheckpoint.read, hugging_face.safe_open
 
     def read(checkpoint, name, box):
         tensor = real_read(checkpoint, name, box)
@@ -2981,8 +3018,7 @@ def _load_and_run(layout, folder, idx):
         return tensor
 
     def safe_open(path, *args, **kwargs):
-        opened.add(os.path.basename(path))
-        return real_open(path, *args, **kwargs)
+        return CountingSafetensorsFile(real_open(path, *args, **kwargs), loaded, os.path.basename(path))
 
     hugging_face.HuggingFaceCheckpoint.read, hugging_face.safe_open = read, safe_open
     try:
@@ -3007,16 +3043,17 @@ def _load_and_run(layout, folder, idx):
              else checkpoint.parameter_parts(model.stage.model if layout == "pp" else model))
     with torch.no_grad():
         logits, loss = model(idx[:, :-1])[..., :config.vocab_size], model(idx[:, :-1], idx[:, 1:])
-    part_sizes = [(part.flat[1] - part.flat[0], math.prod(b - a for a, b in part.box[1:])) for part in parts]
-    return logits.numpy(), loss.item(), reads, part_sizes, sorted({part.name for part in parts}), opened
+    part_sizes = [(part.name, part.flat[1] - part.flat[0], math.prod(b - a for a, b in part.box[1:])) for part in parts]
+    return logits.numpy(), loss.item(), reads, part_sizes, sorted({part.name for part in parts}), dict(loaded)
 
 
 @pytest.mark.parametrize("layout, world_size", [("single", 1), ("fsdp", 2), ("fsdp", 3), ("tp", 2), ("2d", 4)])
 def test_hugging_face_gpt2_loads_in_every_layout(tmp_path_factory, layout, world_size):
     """A GPT-2 in the Hugging Face format (vocabulary 300, padded to 384; 64 positions, 32 used) loaded by each layout
     computes GPT-2's logits and loss within float32 noise, and each rank reads only its own part, one tensor a part:
-    never more than the part's elements and the partial rows around an FSDP shard; when the model is split, no read
-    as large as the largest parameter, and well under the model in all."""
+    never more than the part's elements and the partial rows around an FSDP shard, counted as they leave the file
+    (a read of the whole tensor, sliced afterwards, counts the whole); when the model is split, no read as large as
+    the largest parameter, and well under the model in all."""
     folder = shared_folder(tmp_path_factory, "gpt2_300")
     tensors = hugging_face_gpt2(vocab_size=300)
     if LAUNCHED_WORLD == 1 or dist.get_rank() == 0:
@@ -3032,15 +3069,16 @@ def test_hugging_face_gpt2_loads_in_every_layout(tmp_path_factory, layout, world
     reference_loss = F.cross_entropy(reference.flatten(0, 1), idx[:, 1:].flatten()).item()
     model_bytes = 4 * sum(tensor.numel() for tensor in tensors.values())
     largest_parameter = max(tensor.numel() for tensor in tensors.values())
-    for rank, (logits, loss, reads, parts, _, _) in enumerate(run_distributed(world_size, _load_and_run, layout,
-                                                                              str(folder), idx)):
+    for rank, (logits, loss, reads, parts, _, loaded) in enumerate(run_distributed(world_size, _load_and_run, layout,
+                                                                                   str(folder), idx)):
         print(f"{layout} x{world_size} rank {rank}: logits differ by {np.abs(logits - reference.numpy()).max():.1e}, "
-              f"loss by {abs(loss - reference_loss):.1e}; read {4 * sum(reads):,} bytes, the largest read "
-              f"{4 * max(reads):,} bytes, of a model of {model_bytes:,} bytes")
+              f"loss by {abs(loss - reference_loss):.1e}; read {4 * loaded['model.safetensors']:,} bytes, the largest "
+              f"read {4 * max(reads):,} bytes, of a model of {model_bytes:,} bytes")
         np.testing.assert_allclose(logits, reference.numpy(), rtol=0, atol=LOGITS_TOLERANCE)
         assert loss == pytest.approx(reference_loss, rel=0, abs=LOGITS_TOLERANCE)
         assert len(reads) == len(parts)  # one read a part: a tensor at a time
-        assert sum(reads) <= sum(size + 2 * width for size, width in parts)  # its part, and partial rows at most
+        part_bound = sum(size + 2 * width for _, size, width in parts)  # its part, and partial rows at most
+        assert sum(reads) <= part_bound and loaded == {"model.safetensors": sum(reads)}, (loaded, part_bound)
         if world_size > 1:
             assert max(reads) < largest_parameter and sum(reads) < 0.8 * model_bytes / 4
 
@@ -5328,7 +5366,8 @@ def test_hugging_face_llama_loads_in_every_layout(llama_like, layout, world_size
     models' definitions) and computes LlamaForCausalLM's logits and loss (its forward written above) within float32
     noise (measured: up to 2.3e-6 on logits of up to 3.7); each rank maps only the shards that hold its parts (a
     pipeline stage one of the two, but the last stage of a tied model, which holds wte too) and reads its parts alone,
-    one read a part: never more than their elements and the partial rows around an FSDP shard."""
+    one read a part: from each file, never more elements than its parts stored there and the partial rows around an
+    FSDP shard, counted as they leave the file (a whole tensor read and sliced afterwards counts whole)."""
     folder, tensors, hf = llama_like[tied]
     config = hugging_face.config_from_hugging_face(hf, 32, 0.0)
     value = training.initial_values(config, 0, folder)
@@ -5339,15 +5378,19 @@ def test_hugging_face_llama_loads_in_every_layout(llama_like, layout, world_size
     reference_loss = F.cross_entropy(reference.flatten(0, 1), idx[:, 1:].flatten()).item()
     with open(os.path.join(folder, "model.safetensors.index.json")) as f:
         weight_map = json.load(f)["weight_map"]
-    for rank, (logits, loss, reads, parts, names, opened) in enumerate(run_distributed(world_size, _load_and_run,
+    for rank, (logits, loss, reads, parts, names, loaded) in enumerate(run_distributed(world_size, _load_and_run,
                                                                                        layout, folder, idx)):
         print(f"{layout} x{world_size} rank {rank}: logits differ by "
-              f"{np.abs(logits - reference[:, -logits.shape[1]:].numpy()).max():.1e}; read {sorted(opened)}")
+              f"{np.abs(logits - reference[:, -logits.shape[1]:].numpy()).max():.1e}; read {loaded} elements")
         np.testing.assert_allclose(logits, reference[:, -logits.shape[1]:].numpy(), rtol=0, atol=LOGITS_TOLERANCE)
         assert loss == pytest.approx(reference_loss, rel=0, abs=LOGITS_TOLERANCE)
-        assert len(reads) == len(parts) and sum(reads) <= sum(size + 2 * width for size, width in parts)
-        assert opened == {weight_map[llama_stored_name(name)] for name in names}
-        assert len(opened) == (1 if layout == "pp" and (rank == 0 or not tied) else 2)
+        assert len(reads) == len(parts)
+        assert loaded.keys() == {weight_map[llama_stored_name(name)] for name in names}
+        assert len(loaded) == (1 if layout == "pp" and (rank == 0 or not tied) else 2)
+        part_bounds = collections.Counter()  # each file: its parts' elements stored there, and partial rows at most
+        for name, size, width in parts:
+            part_bounds[weight_map[llama_stored_name(name)]] += size + 2 * width
+        assert all(loaded[file] <= part_bounds[file] for file in loaded), (loaded, part_bounds)
 
 
 INIT_FROM_LLAMA = [(layout, layout in ("tp", "2d", "pp")) for layout in INIT_FROM_LAYOUTS]  # (layout, tied)
