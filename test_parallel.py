@@ -5762,9 +5762,10 @@ def test_resumed_part_reads_only_its_pieces(tmp_path, strategy, ranks):
         assert held <= saved.elements_read <= 1.2 * held, f"rank {rank} of {strategy}: read {saved.elements_read}"
 
 
-def test_init_from_sharded_checkpoint_opens_only_its_files(tmp_path):
+def test_init_from_sharded_checkpoint_opens_only_its_files(tmp_path, monkeypatch):
     """--init_from a checkpoint sharded over many files (one tensor a file, named in model.safetensors.index.json):
-    each FSDP rank of 3 maps only the files holding its parts and reads their rows alone, as its start-up line says."""
+    each FSDP rank of 3 maps only the files holding its parts and reads their rows alone, as its start-up line says,
+    and the bytes that line counts are those that left each file (counted at safetensors' safe_open)."""
     folder = str(tmp_path / "gpt2-sharded")
     tensors = 2 + 12 * 2 + 2  # wte, wpe, 12 tensors a block, ln_f's two
     hugging_face.write_random_gpt2(folder, n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=256,
@@ -5775,8 +5776,12 @@ def test_init_from_sharded_checkpoint_opens_only_its_files(tmp_path):
         index = json.load(f)["weight_map"]
     every_file = set(index.values())
     assert len(every_file) == tensors
+    loaded, real_open = collections.Counter(), hugging_face.safe_open
+    monkeypatch.setattr(hugging_face, "safe_open", lambda path, *args, **kwargs: CountingSafetensorsFile(
+        real_open(path, *args, **kwargs), loaded, os.path.basename(path)))
     for rank in range(3):
         hugging_face.bytes_read.clear()
+        loaded.clear()
         value = training.initial_values(config, 0, folder)
         parts = startup_parts(config, "fsdp", rank)
         expected_files, held = set(), 0
@@ -5789,6 +5794,8 @@ def test_init_from_sharded_checkpoint_opens_only_its_files(tmp_path):
         assert opened == expected_files and opened < every_file, f"rank {rank} opened {sorted(opened)}"
         read = sum(hugging_face.bytes_read.values())
         assert held <= read <= 1.2 * held, f"rank {rank} read {read} bytes for {held} bytes of parts"
+        assert {os.path.basename(path): n for path, n in hugging_face.bytes_read.items()} == {
+            file: 4 * elements for file, elements in loaded.items()}, f"rank {rank}: counted, and what left the files"
         assert f"read {read / 1e6:,.1f} MB from {len(opened)} files" == hugging_face.read_summary()
 
 
