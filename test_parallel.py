@@ -33,6 +33,7 @@ import sys
 import time
 import tokenize
 import traceback
+import weakref
 from datetime import timedelta
 from functools import partial
 from typing import NamedTuple
@@ -52,6 +53,7 @@ sys.path.insert(0, HERE)
 import bench  # noqa: E402
 import bench_pipeline  # noqa: E402
 import checkpoint  # noqa: E402
+import export  # noqa: E402
 import gpt  # noqa: E402
 import gpu_check  # noqa: E402
 import hugging_face  # noqa: E402
@@ -3143,6 +3145,133 @@ def test_init_from_a_hub_name_reads_the_huggingface_hub_cache(tmp_path, gpt2_lik
                                          r"\(LocalEntryNotFoundError\): pass a folder") as error:
         hugging_face.pretrained_folder("gpt2-xl")
     assert time.time() - start < 5 and "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# export.py: a checkpoint of any layout out to the Hugging Face format, read back by --init_from and by transformers
+
+EXPORT_LAYOUTS = {"single": (train_single.main, 1, {}), "fsdp": (train_fsdp.main, 2, {}),
+                  "tp": (train_tp.main, 2, dict(sequence_parallel=True))}
+
+
+@pytest.fixture(scope="module")
+def corpus_300(corpus, tmp_path_factory):
+    """The default corpus under a vocabulary of 300 (its byte ids are the first 256): padded to 384, so wte and the LM
+    head carry 84 padding rows for the export to leave behind."""
+    folder = shared_folder(tmp_path_factory, "corpus_300")
+    if LAUNCHED_WORLD == 1 or dist.get_rank() == 0:
+        for split in ("train.bin", "val.bin"):
+            os.symlink(os.path.join(corpus, split), os.path.join(folder, split))
+        with open(os.path.join(corpus, "meta.json")) as f:
+            meta = json.load(f)
+        with open(os.path.join(folder, "meta.json"), "w") as f:
+            json.dump(dict(meta, vocab_size=300), f)
+    if LAUNCHED_WORLD > 1:
+        dist.barrier()
+    return str(folder)
+
+
+def exported_tensors(folder):
+    """Every tensor of an exported folder by stored name, from model.safetensors or from each of its shards."""
+    from safetensors.torch import load_file
+
+    files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+    return {name: tensor for file in files for name, tensor in load_file(os.path.join(folder, file)).items()}
+
+
+def _model_from(config, fill):
+    """Our model on CPU, its parameters filled by fill(model), in eval mode."""
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty() gives each module its own tensor
+    fill(model)
+    return model.eval()
+
+
+def _checkpoint_model(found):
+    config = gpt.GPTConfig(**found.meta["config"])
+    return _model_from(config, lambda model: checkpoint.load(found, checkpoint.parameter_parts(model), None, config))
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+@pytest.mark.parametrize("layout", list(EXPORT_LAYOUTS))
+def test_export_then_init_from_gives_the_same_logits(corpus_300, shared_tmp, tmp_path, layout, model):
+    """A checkpoint written by each layout, exported in float32, holds what GPT2LMHeadModel or LlamaForCausalLM
+    stores, by the definitions of the two layouts written in this file (not hugging_face.py's mapping): their tensors'
+    names and shapes, the vocabulary cut to its 300 real rows, Conv1D's transposes, q and k rows as they are. Its
+    config.json reads back as the run's model, and --init_from the folder builds a model whose logits equal the
+    checkpoint's bit for bit."""
+    main, ranks, extra = EXPORT_LAYOUTS[layout]
+    run_distributed(ranks, main, flags(corpus_300, shared_tmp, model=model, max_steps=2, **extra))
+    found = checkpoint.Checkpoint(checkpoint.latest(shared_tmp))
+    config = gpt.GPTConfig(**found.meta["config"])
+    folder = str(tmp_path / "exported")
+    export.export(found, folder)
+    stored = exported_tensors(folder)
+    if model == "tiny":  # GPT2LMHeadModel.save_pretrained() names them transformer.*
+        expected = {"transformer." + name: tensor for name, tensor in hugging_face_gpt2(
+            n_layer=4, n_head=4, n_embd=128, n_positions=32, vocab_size=300).items()}
+        ours = gpt_weights_from_hugging_face({n.removeprefix("transformer."): t for n, t in stored.items()}, config)
+    else:
+        expected = hugging_face_llama(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384,
+                                      vocab_size=300)
+        ours = gpt_weights_from_hugging_face_llama(stored, config)
+    assert {name: tuple(t.shape) for name, t in stored.items()} == {n: tuple(t.shape) for n, t in expected.items()}
+    for name, value in ours.items():  # the padding rows were left behind: the real ones are the checkpoint's
+        rows = config.vocab_size if name in ("wte.weight", "lm_head.weight") else len(value)
+        assert torch.equal(value[:rows], found.full(name)[:rows]), name
+    with open(os.path.join(folder, "config.json")) as f:
+        assert hugging_face.config_from_hugging_face(json.load(f), config.block_size, config.dropout) == config
+    idx = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    exported = _model_from(config, lambda m: m.init_weights(0, training.initial_values(config, 0, folder)))
+    with torch.no_grad():
+        logits, reference = exported(idx)[..., :300], _checkpoint_model(found)(idx)[..., :300]
+    assert torch.equal(logits, reference), (logits - reference).abs().max()
+
+
+def test_export_streams_one_shard_at_a_time(corpus, tmp_path, monkeypatch):
+    """python export.py --max_shard_size 100KB: tiny's 3.3 MB in files of at most 100 KB (a larger tensor alone in
+    one) and model.safetensors.index.json naming each tensor's file; when a file is written, the tensors export.py
+    holds are that file's alone (every tensor read_stored returns is followed by a weak reference). The shards hold
+    what one file does; --dtype bfloat16 holds those values rounded."""
+    run_distributed(1, train_single.main, flags(corpus, tmp_path / "run", max_steps=1))
+    real_read, real_save = export.read_stored, export.save_file
+    held, written = weakref.WeakSet(), []
+
+    def read_stored(*args):
+        tensor = real_read(*args)
+        held.add(tensor)
+        return tensor
+
+    def save_file(tensors, path, metadata):
+        written.append((os.path.basename(path), sum(t.numel() * t.element_size() for t in held),
+                        sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors)))
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(export, "read_stored", read_stored)
+    monkeypatch.setattr(export, "save_file", save_file)
+    export.main(["--out_dir", str(tmp_path / "run"), "--to", str(tmp_path / "sharded"), "--max_shard_size", "100KB"])
+    for file, in_memory, size, tensors in written:
+        assert in_memory == size and (size <= 100_000 or tensors == 1), (file, in_memory, size, tensors)
+    assert len(written) > 10 and max(size for _, _, size, _ in written) > 100_000  # wte is alone in its own
+    with open(tmp_path / "sharded" / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    sharded = exported_tensors(tmp_path / "sharded")
+    assert index["metadata"]["total_size"] == sum(size for _, _, size, _ in written)
+    assert sorted(set(index["weight_map"].values())) == [file for file, _, _, _ in written]
+    assert all(file.startswith("model-") and file.endswith(f"-of-{len(written):05d}.safetensors")
+               for file, _, _, _ in written)
+    assert index["weight_map"].keys() == sharded.keys()
+    export.main(["--out_dir", str(tmp_path / "run"), "--to", str(tmp_path / "whole")])
+    export.main(["--out_dir", str(tmp_path / "run"), "--to", str(tmp_path / "bf16"), "--dtype", "bfloat16"])
+    whole, bf16 = exported_tensors(tmp_path / "whole"), exported_tensors(tmp_path / "bf16")
+    assert sorted(os.listdir(tmp_path / "whole")) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                      "tokenizer_config.json"]
+    assert whole.keys() == sharded.keys() == bf16.keys()
+    for name, tensor in whole.items():
+        assert tensor.dtype == torch.float32 and torch.equal(sharded[name], tensor), name
+        assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], tensor.bfloat16()), name
 
 
 # ------------------------------------------------------------------------------------------------------------
