@@ -3274,6 +3274,52 @@ def test_export_streams_one_shard_at_a_time(corpus, tmp_path, monkeypatch):
         assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], tensor.bfloat16()), name
 
 
+NO_TRANSFORMERS = ("transformers is not installed (CI leaves it out): `pip install transformers` to hold export.py's "
+                   "folders to AutoModelForCausalLM and AutoTokenizer")
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_transformers_continues_an_exported_run_as_we_do(corpus, tmp_path, model):
+    """AutoModelForCausalLM and AutoTokenizer load what `python export.py` wrote of an FSDP run at its initial weights
+    (learning rate 0: random weights, so that every token chosen depends on the whole model): transformers' logits are
+    ours within float32 noise (measured up to 6e-7), its greedy continuation of a prompt is gpt.generate's at top_k 1,
+    and its tokenizer gives the prompt our ids and decodes the continuation as ours does."""
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
+    run_distributed(2, train_fsdp.main, flags(corpus, tmp_path / "run", model=model, max_steps=1, lr=0, min_lr=0))
+    export.main(["--out_dir", str(tmp_path / "run"), "--to", str(tmp_path / "exported")])
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exported"))
+    ours = _checkpoint_model(checkpoint.Checkpoint(checkpoint.latest(tmp_path / "run")))
+    prompt = "def run("
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0].tolist() == prepare_data.ByteTokenizer().encode(prompt)
+    continued = gpt.generate(ours, ids, 24, 32, 256, temperature=1.0, top_k=1)
+    with torch.no_grad():
+        generated = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        difference = (theirs(continued).logits - ours(continued)[..., :256]).abs().max().item()
+    print(f"{model}: logits differ by {difference:.1e}; continued {tokenizer.decode(generated[0])!r}")
+    assert difference < 1e-5
+    assert generated.tolist() == continued.tolist()
+    assert tokenizer.decode(generated[0]) == prepare_data.ByteTokenizer().decode(continued[0].tolist())
+
+
+def test_transformers_tokenizes_as_the_run_did(tmp_path):
+    """tokenizer.json written for a Llama 3 tokenizer.model (a small one in its format: write_tiktoken_bpe) reads in
+    AutoTokenizer, which gives every text the ids prepare_data.py gave it (<|begin_of_text|> first, digits in threes,
+    whole words where tiktoken keeps them whole) and decodes them back."""
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
+    write_tiktoken_bpe(tmp_path / "tokenizer.model")
+    ours = prepare_data.get_tokenizer(str(tmp_path / "tokenizer.model"))
+    assert export.write_tokenizer(str(tmp_path), str(tmp_path / "tokenizer.model"), 64) == [
+        "tokenizer.json", "tokenizer_config.json"]
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    texts = ["12345 it's", "def main():\n    return 42\n\n", "caf\u00e9 na\u00efve  \t spaces", "Hello, World!!"]
+    for text in texts:
+        assert theirs(text).input_ids == ours.encode(text), text
+        assert theirs.decode(ours.encode(text), skip_special_tokens=True) == text
+    assert (theirs.bos_token, theirs.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Resuming with dropout: every generator a rank draws from is saved and restored. Masks depend on the layout, so
 # a run is held to the uninterrupted run of its own layout, bit for bit.
