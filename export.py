@@ -107,8 +107,8 @@ def write_file(path, stored, found, dtype):
 
 
 def export(found, to, dtype=torch.float32, max_shard_bytes=5 * 10**9, tokenizer=None):
-    """Checkpoint `found` (checkpoint.Checkpoint) written into folder `to` in the Hugging Face format, with the
-    tokenizer its run's data names (prepare_data.get_tokenizer's name; None: none). Returns the files written."""
+    """Checkpoint `found` (checkpoint.Checkpoint) written into folder `to` in the Hugging Face format, with the run's
+    tokenizer (prepare_data.get_tokenizer's; None: none). Returns the files written."""
     config = gpt.GPTConfig(**found.meta["config"])
     with torch.device("meta"):
         shapes = {name: tuple(param.shape) for name, param in gpt.GPT(config).named_parameters()}
@@ -146,23 +146,20 @@ def export(found, to, dtype=torch.float32, max_shard_bytes=5 * 10**9, tokenizer=
 # the tokens spelled in GPT-2's printable stand-ins for bytes, and the merges, which a tiktoken file leaves implicit.
 
 
-def bpe_tokenizer(name):
-    """(tiktoken's ranks {token bytes: id}, special tokens {text: id}, the splitting pattern, beginning-of-text id)
-    of the run's tokenizer: bytes, GPT-2's (tiktoken downloads its files once) or a Llama 3 tokenizer.model."""
-    if name == "byte":  # every byte a token, never merged
-        return {bytes([b]): b for b in range(256)}, {}, None, None
-    encoding = prepare_data.get_tokenizer(name).encoding
-    special = encoding._special_tokens  # tiktoken keeps them private; the Encoding was built from them
-    return encoding._mergeable_ranks, special, encoding._pat_str, special.get("<|begin_of_text|>")
+def bpe_tokenizer(tokenizer):
+    """(tiktoken's ranks {token bytes: id}, special tokens {text: id}, the splitting pattern) of a prepare_data.py
+    tokenizer: GPT-2's and Llama 3's are tiktoken Encodings; bytes are 256 tokens never merged."""
+    encoding = getattr(tokenizer, "encoding", None)
+    if encoding is None:
+        return {bytes([b]): b for b in range(256)}, {}, None
+    return encoding._mergeable_ranks, encoding._special_tokens, encoding._pat_str  # private, but what built it
 
 
-def token_ids(name):
-    """config.json's bos_token_id and eos_token_id: <|begin_of_text|> and <|end_of_text|> (Llama 3),
-    <|endoftext|> (GPT-2), none (bytes, or no tokenizer)."""
-    if name in (None, "byte"):
-        return dict(bos=None, eos=None)
-    eos = prepare_data.get_tokenizer(name).eot
-    return dict(bos=bpe_tokenizer(name)[3] if name != "gpt2" else eos, eos=eos)
+def token_ids(tokenizer):
+    """config.json's bos_token_id and eos_token_id: <|begin_of_text|> and <|end_of_text|> (Llama 3), <|endoftext|>
+    both (GPT-2, as the hub's gpt2 says), none (bytes, or no tokenizer)."""
+    eos = getattr(tokenizer, "eot", None)
+    return dict(bos=getattr(tokenizer, "bos", eos), eos=eos)
 
 
 def byte_spelling():
@@ -187,26 +184,31 @@ def merges(ranks):
             yield rank, parts[0], parts[1]
 
 
-def write_tokenizer(folder, name, block_size):
+def write_tokenizer(folder, tokenizer, block_size):
     """tokenizer.json and tokenizer_config.json of the run's tokenizer: tiktoken's pattern splits the text, each piece
     becomes bytes, and a piece that is a token whole stays whole (ignore_merges), as tiktoken encodes; Llama 3's
     texts begin with <|begin_of_text|>. Returns the files written."""
-    if name is None:
+    if tokenizer is None:
         return []
-    ranks, special, pattern, bos = bpe_tokenizer(name)
+    ranks, special, pattern = bpe_tokenizer(tokenizer)
+    bos = getattr(tokenizer, "bos", None)  # Llama 3's, which every text begins with
     spell = byte_spelling()
     text = lambda token: "".join(spell[b] for b in token)  # noqa: E731
     split = [{"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}] * bool(pattern)
     begin = [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}]
-    tokenizer = {
+    first, second = [{"Sequence": {"id": "A", "type_id": 0}}], [{"Sequence": {"id": "B", "type_id": 1}}]
+    named, ids = {value: key for key, value in special.items()}, token_ids(tokenizer)
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
+                "clean_up_tokenization_spaces": False, "bos_token": named.get(ids["bos"]),
+                "eos_token": named.get(ids["eos"])}
+    bpe = {
         "version": "1.0", "truncation": None, "padding": None, "normalizer": None,
         "added_tokens": [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": True} for token, i in special.items()],
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": split + [
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
         "post_processor": None if bos is None else {
-            "type": "TemplateProcessing", "single": begin + [{"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": begin + [{"Sequence": {"id": "A", "type_id": 0}}] + begin + [{"Sequence": {"id": "B", "type_id": 1}}],
+            "type": "TemplateProcessing", "single": begin + first, "pair": begin + first + begin + second,
             "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [bos],
                                                      "tokens": ["<|begin_of_text|>"]}}},
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
@@ -214,12 +216,8 @@ def write_tokenizer(folder, name, block_size):
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
                   "vocab": {text(token): rank for token, rank in ranks.items()},
                   "merges": [f"{text(left)} {text(right)}" for _, left, right in sorted(merges(ranks))]}}
-    ids = {value: key for key, value in special.items()}
-    eos = token_ids(name)["eos"]
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
-                "clean_up_tokenization_spaces": False, "bos_token": ids.get(bos), "eos_token": ids.get(eos)}
     with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-        json.dump(tokenizer, f, ensure_ascii=False)
+        json.dump(bpe, f, ensure_ascii=False)
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump(settings, f, indent=2)
     return ["tokenizer.json", "tokenizer_config.json"]
@@ -242,7 +240,7 @@ def main(argv=None):
     if not (path and os.path.isdir(path)):
         saved = sorted(name for name in os.listdir(args.out_dir) if re.fullmatch(r"ckpt-\d{7}", name)) if (
             os.path.isdir(args.out_dir)) else []
-        raise training.UsageError(f"no checkpoint {os.path.basename(path) if path else ''} in {args.out_dir!r} "
+        raise training.UsageError(f"no checkpoint{' ' + os.path.basename(path) if path else ''} in {args.out_dir!r} "
                                   f"(it holds {', '.join(saved) or 'none'}): pass a training run's --out_dir and "
                                   "one of its steps")
     if os.path.exists(os.path.join(args.to, "config.json")):
@@ -253,7 +251,17 @@ def main(argv=None):
         raise training.UsageError(f"the checkpoint's vocabulary is {found.meta['config']['vocab_size']} tokens, "
                                   f"--data's tokenizer {meta['tokenizer']} has {meta['vocab_size']}: pass the --data "
                                   "it was trained on")
-    files = export(found, args.to, getattr(torch, args.dtype), args.max_shard_size, meta["tokenizer"])
+    try:  # tiktoken downloads GPT-2's files on first use; a Llama 3 tokenizer.model may have moved
+        tokenizer = prepare_data.get_tokenizer(meta["tokenizer"])
+    except (SystemExit, ValueError) as error:
+        tokenizer = None
+        print(f"no tokenizer files: {meta['tokenizer']} is unreadable here ({error}); the model is exported without "
+              "them (GPT-2's are the hub's gpt2 repository's tokenizer.json and tokenizer_config.json)")
+    files = export(found, args.to, getattr(torch, args.dtype), args.max_shard_size, tokenizer)
+    shards = [file for file in files if file.startswith("model-")]
+    if shards:  # one name for them all
+        files = [f"{len(shards)} shards ({shards[0]} ...)" if file == shards[0] else file for file in files
+                 if file not in shards[1:]]
     print(f"{path} (step {found.meta['step']}) -> {args.to}: {', '.join(files)} ({args.dtype}); load it with "
           f"transformers' AutoModelForCausalLM.from_pretrained({args.to!r}), or train on with --init_from {args.to}")
 

@@ -3310,7 +3310,7 @@ def test_transformers_tokenizes_as_the_run_did(tmp_path):
     transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
     write_tiktoken_bpe(tmp_path / "tokenizer.model")
     ours = prepare_data.get_tokenizer(str(tmp_path / "tokenizer.model"))
-    assert export.write_tokenizer(str(tmp_path), str(tmp_path / "tokenizer.model"), 64) == [
+    assert export.write_tokenizer(str(tmp_path), ours, 64) == [
         "tokenizer.json", "tokenizer_config.json"]
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     texts = ["12345 it's", "def main():\n    return 42\n\n", "caf\u00e9 na\u00efve  \t spaces", "Hello, World!!"]
