@@ -3960,9 +3960,9 @@ def walkthrough(section):
 
 @launches_its_own_ranks
 def test_fine_tuning_walkthroughs_run_as_written(corpus, tmp_path):
-    """The README's CPU fine-tuning walkthrough, then docs/fine-tuning.md's loading measurement, each as one bash
-    script of its text's commands, in a fresh copy of the project's files: the walkthrough makes its own text folder
-    and its GPT-2 with the project's own script (hugging_face.py), at a few steps and a smaller model."""
+    """The README's CPU fine-tuning walkthrough and its export, then docs/fine-tuning.md's loading measurement, each as
+    one bash script of its text's commands, in a fresh copy of the project's files: the walkthrough makes its own
+    text folder and its GPT-2 with the project's own script (hugging_face.py), at a few steps and a smaller model."""
     repo = tmp_path / "repo"
     repo.mkdir()
     for name in os.listdir(HERE):
@@ -3972,7 +3972,8 @@ def test_fine_tuning_walkthroughs_run_as_written(corpus, tmp_path):
     (repo / "data" / "default").symlink_to(corpus)  # the loading measurement trains on the default corpus
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     outputs = {}
-    for section in ["On CPU, offline: fine-tune on a local text folder, then sample", "What loading costs"]:
+    for section in ["On CPU, offline: fine-tune on a local text folder, then sample",
+                    "Out to Hugging Face: export, then load in transformers", "What loading costs"]:
         script = walkthrough(section)
         done = subprocess.run(["bash", "-e", "-c", script], cwd=repo, env=env, capture_output=True, text=True,
                               timeout=LAUNCH_TIMEOUT_S)
@@ -3982,6 +3983,8 @@ def test_fine_tuning_walkthroughs_run_as_written(corpus, tmp_path):
     assert len(list((repo / "texts").glob("*.py"))) > 10 and (repo / "gpt2-tiny" / "model.safetensors").exists()
     assert "from gpt2-tiny's weights" in walked and "step     0 |" in walked, walked[-3000:]
     assert "checkpoint out/finetune/ckpt-0000001 (step 1)\nsample:\ndef " in walked, walked[-3000:]
+    exported = outputs["Out to Hugging Face: export, then load in transformers"]
+    assert "(step 1) -> finetuned: config.json, model.safetensors, tokenizer.json" in exported, exported[-3000:]
     measured = outputs["What loading costs"]
     assert "pieces of 1/8 of a parameter" in measured and "from gpt2-bytes's weights" in measured, measured[-3000:]
 
