@@ -3194,16 +3194,20 @@ def _checkpoint_model(found):
     return _model_from(config, lambda model: checkpoint.load(found, checkpoint.parameter_parts(model), None, config))
 
 
-@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
-@pytest.mark.parametrize("layout", list(EXPORT_LAYOUTS))
-def test_export_then_init_from_gives_the_same_logits(corpus_300, shared_tmp, tmp_path, layout, model):
+@pytest.mark.parametrize("layout, model", [(layout, model) for layout in EXPORT_LAYOUTS
+                                           for model in ("tiny", "llama-tiny")] + [("single", "llama tied")])
+def test_export_then_init_from_gives_the_same_logits(corpus, corpus_300, llama_like, shared_tmp, tmp_path, layout,
+                                                     model):
     """A checkpoint written by each layout, exported in float32, holds what GPT2LMHeadModel or LlamaForCausalLM
     stores, by the definitions of the two layouts written in this file (not hugging_face.py's mapping): their tensors'
-    names and shapes, the vocabulary cut to its 300 real rows, Conv1D's transposes, q and k rows as they are. Its
+    names and shapes, the vocabulary cut to its 300 real rows, Conv1D's transposes, q and k rows as they are, no LM
+    head where it is tied (as Llama 3.2's: a run from the tied llama_like, 2 layers of width 64, vocabulary 256). Its
     config.json reads back as the run's model, and --init_from the folder builds a model whose logits equal the
     checkpoint's bit for bit."""
     main, ranks, extra = EXPORT_LAYOUTS[layout]
-    run_distributed(ranks, main, flags(corpus_300, shared_tmp, model=model, max_steps=2, **extra))
+    if model == "llama tied":
+        extra = dict(extra, model=None, init_from=llama_like[True][0], data=corpus)
+    run_distributed(ranks, main, flags(corpus_300, shared_tmp, **dict(dict(model=model, max_steps=2), **extra)))
     found = checkpoint.Checkpoint(checkpoint.latest(shared_tmp))
     config = gpt.GPTConfig(**found.meta["config"])
     folder = str(tmp_path / "exported")
@@ -3214,8 +3218,8 @@ def test_export_then_init_from_gives_the_same_logits(corpus_300, shared_tmp, tmp
             n_layer=4, n_head=4, n_embd=128, n_positions=32, vocab_size=300).items()}
         ours = gpt_weights_from_hugging_face({n.removeprefix("transformer."): t for n, t in stored.items()}, config)
     else:
-        expected = hugging_face_llama(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384,
-                                      vocab_size=300)
+        expected = llama_like[True][1] if model == "llama tied" else hugging_face_llama(
+            n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384, vocab_size=300)
         ours = gpt_weights_from_hugging_face_llama(stored, config)
     assert {name: tuple(t.shape) for name, t in stored.items()} == {n: tuple(t.shape) for n, t in expected.items()}
     for name, value in ours.items():  # the padding rows were left behind: the real ones are the checkpoint's
@@ -3223,10 +3227,11 @@ def test_export_then_init_from_gives_the_same_logits(corpus_300, shared_tmp, tmp
         assert torch.equal(value[:rows], found.full(name)[:rows]), name
     with open(os.path.join(folder, "config.json")) as f:
         assert hugging_face.config_from_hugging_face(json.load(f), config.block_size, config.dropout) == config
-    idx = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     exported = _model_from(config, lambda m: m.init_weights(0, training.initial_values(config, 0, folder)))
     with torch.no_grad():
-        logits, reference = exported(idx)[..., :300], _checkpoint_model(found)(idx)[..., :300]
+        logits = exported(idx)[..., :config.vocab_size]
+        reference = _checkpoint_model(found)(idx)[..., :config.vocab_size]
     assert torch.equal(logits, reference), (logits - reference).abs().max()
 
 
@@ -5576,7 +5581,9 @@ def test_init_from_a_llama_that_contradicts_the_flags_is_refused(corpus, tmp_pat
 def test_llama_config_json_of_the_hub_and_of_transformers_5_give_the_presets():
     """config.json as the hub's Llama 3.1 8B and 3.2 1B repositories write it (rope_theta and rope_scaling at the top
     level; written here from them) and as transformers 5 writes it (one rope_parameters entry) is the preset's
-    config; Llama 3's own (no rope_scaling) keeps every frequency."""
+    config; Llama 3's own (no rope_scaling) keeps every frequency. export.py writes each preset's config.json back as
+    the hub's repository does, its context aside (the run's --block_size), every key the hub's holds but its
+    initializer_range and the transformers version."""
     llama31_8b = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
                   "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
                   "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
@@ -5594,6 +5601,11 @@ def test_llama_config_json_of_the_hub_and_of_transformers_5_give_the_presets():
         assert hugging_face.config_from_hugging_face(hf, 8192, 0.1) == gpt.make_config(preset, 128256, 8192, 0.1)
     llama3 = {key: value for key, value in llama31_8b.items() if key != "rope_scaling"}
     assert hugging_face.config_from_hugging_face(llama3, 8192, 0.0).rope_scaling is None
+    for hub, preset in ((llama31_8b, "llama3.1-8b"), (llama32_1b, "llama3.2-1b")):  # export.py writes them back
+        written = export.hugging_face_config(gpt.make_config(preset, 128256, 131072), "bfloat16",
+                                             dict(bos=128000, eos=128001))
+        assert hub.keys() - written.keys() == {"initializer_range", "transformers_version"}, preset
+        assert {key: written[key] for key in hub if key in written} == {key: hub[key] for key in hub if key in written}
 
 
 def write_tiktoken_bpe(path):
