@@ -1,14 +1,14 @@
 """
 A run's checkpoint, of any layout and world size, written as a model folder in the Hugging Face format, which
-transformers (AutoModelForCausalLM), vLLM and llama.cpp's converter read: config.json (GPT2LMHeadModel or
-LlamaForCausalLM), model.safetensors or its shards with model.safetensors.index.json, and the run's tokenizer as
-tokenizer.json. The inverse of --init_from: hugging_face.hugging_face_box maps every parameter both ways.
+transformers' AutoModelForCausalLM and AutoTokenizer load: config.json (GPT2LMHeadModel or LlamaForCausalLM),
+model.safetensors or its shards with model.safetensors.index.json, and the run's tokenizer as tokenizer.json. The
+inverse of --init_from: hugging_face.hugging_face_box maps every parameter both ways.
 
     python export.py --out_dir out/finetune --to finetuned                   # the latest checkpoint, float32
     python export.py --out_dir out/finetune --step 100 --to finetuned --dtype bfloat16 --max_shard_size 2GB
 
-It streams: one output shard's tensors at a time are in memory (and the one being converted), each read from the
-rank files' memory maps, so a model larger than the host's memory exports.
+It streams: one output shard's tensors are in memory at a time (and the float32 parameter being converted), each
+read from the rank files' memory maps, so a model larger than the host's memory exports.
 """
 
 import argparse
@@ -37,10 +37,11 @@ def byte_count(text):
     return int(float(found.group(1)) * SIZE_UNITS[(found.group(2) or "").upper()])
 
 
-def hugging_face_config(config, dtype, tokenizer):
+def hugging_face_config(config, dtype, special):
     """config.json of our model as Hugging Face's GPT2LMHeadModel or LlamaForCausalLM: the vocabulary is the
-    tokenizer's (the padding rows are not written), the context the run trained with (--block_size)."""
-    ids = dict(bos_token_id=tokenizer.get("bos"), eos_token_id=tokenizer.get("eos"))
+    tokenizer's (the padding rows are not written), the context the run trained with (--block_size); special: the
+    tokenizer's {"bos": id, "eos": id} (token_ids)."""
+    ids = dict(bos_token_id=special["bos"], eos_token_id=special["eos"])
     if config.rope_theta is None:
         return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", activation_function="gelu_new",
                     layer_norm_epsilon=config.norm_eps, n_ctx=config.block_size, n_positions=config.block_size,
@@ -74,11 +75,15 @@ def stored_tensors(config, shapes):
     return stored
 
 
+def stored_shape(pieces):
+    """The shape of a stored tensor: its parameters' boxes cover it."""
+    return [max(box[d][1] for _, box, _ in pieces) for d in range(len(pieces[0][1]))]
+
+
 def read_stored(found, pieces, dtype):
     """One stored tensor, whole, in dtype, from the checkpoint's pieces: each parameter's region that fills its box
     (the real rows of wte), read from the memory-mapped rank files."""
-    shape = [max(box[d][1] for _, box, _ in pieces) for d in range(len(pieces[0][1]))]
-    tensor = torch.empty(shape, dtype=dtype)
+    tensor = torch.empty(stored_shape(pieces), dtype=dtype)
     for name, box, transposed in pieces:
         sizes = [stop - start for start, stop in box]
         ours = sizes[::-1] if transposed else sizes  # a Conv1D weight is our [out, in] transposed
@@ -122,8 +127,7 @@ def export(found, to, dtype=torch.float32, max_shard_bytes=5 * 10**9, tokenizer=
         raise training.UsageError(f"{found.path!r} holds a model that neither GPT2LMHeadModel nor LlamaForCausalLM "
                                   f"computes ({found.meta['config']}): it cannot be exported")
     stored = stored_tensors(config, shapes)
-    sizes = {name: math.prod(max(box[d][1] for _, box, _ in pieces) for d in range(len(pieces[0][1])))
-             * dtype.itemsize for name, pieces in stored.items()}
+    sizes = {name: math.prod(stored_shape(pieces)) * dtype.itemsize for name, pieces in stored.items()}
     prefix = "transformer." if config.rope_theta is None else ""  # GPT2LMHeadModel.save_pretrained()'s names
     files = shard_plan(sizes, max_shard_bytes)
     names = ["model.safetensors"] if len(files) == 1 else [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"

@@ -3239,7 +3239,8 @@ def test_export_streams_one_shard_at_a_time(corpus, tmp_path, monkeypatch):
     """python export.py --max_shard_size 100KB: tiny's 3.3 MB in files of at most 100 KB (a larger tensor alone in
     one) and model.safetensors.index.json naming each tensor's file; when a file is written, the tensors export.py
     holds are that file's alone (every tensor read_stored returns is followed by a weak reference). The shards hold
-    what one file does; --dtype bfloat16 holds those values rounded."""
+    what one file does; --dtype bfloat16 holds those values rounded. A folder that holds a model already, a step with
+    no checkpoint and data that is not there are refused in one line, before anything is written."""
     run_distributed(1, train_single.main, flags(corpus, tmp_path / "run", max_steps=1))
     real_read, real_save = export.read_stored, export.save_file
     held, written = weakref.WeakSet(), []
@@ -3277,6 +3278,15 @@ def test_export_streams_one_shard_at_a_time(corpus, tmp_path, monkeypatch):
     for name, tensor in whole.items():
         assert tensor.dtype == torch.float32 and torch.equal(sharded[name], tensor), name
         assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], tensor.bfloat16()), name
+    run = ["--out_dir", str(tmp_path / "run")]
+    for argv, message in [(["--to", str(tmp_path / "whole")], "'.*whole' already holds a model .config.json.: choose "
+                                                              "another --to"),
+                          (["--to", str(tmp_path / "new"), "--step", "7"], "no checkpoint ckpt-0000007 in '.*run' "
+                                                                           r"\(it holds ckpt-0000001\): pass"),
+                          (["--to", str(tmp_path / "new"), "--data", str(tmp_path / "none")], "no prepared data")]:
+        with pytest.raises(ValueError, match=message):
+            export.main(run + argv)
+    assert not os.path.exists(tmp_path / "new")
 
 
 NO_TRANSFORMERS = ("transformers is not installed (CI leaves it out): `pip install transformers` to hold export.py's "
