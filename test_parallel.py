@@ -3319,9 +3319,10 @@ def test_transformers_continues_an_exported_run_as_we_do(corpus, tmp_path, model
 
 
 def test_transformers_tokenizes_as_the_run_did(tmp_path):
-    """tokenizer.json written for a Llama 3 tokenizer.model (a small one in its format: write_tiktoken_bpe) reads in
-    AutoTokenizer, which gives every text the ids prepare_data.py gave it (<|begin_of_text|> first, digits in threes,
-    whole words where tiktoken keeps them whole) and decodes them back."""
+    """tokenizer.json written for a Llama 3 tokenizer.model (a small one in its format: write_tiktoken_bpe), and for
+    GPT-2's tokenizer (its pattern over the same ranks), reads in AutoTokenizer, which gives every text the ids
+    prepare_data.py gave it (Llama's: <|begin_of_text|> first, digits in threes; GPT-2's: digits in runs) and decodes
+    them back."""
     transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
     write_tiktoken_bpe(tmp_path / "tokenizer.model")
     ours = prepare_data.get_tokenizer(str(tmp_path / "tokenizer.model"))
@@ -3333,6 +3334,22 @@ def test_transformers_tokenizes_as_the_run_did(tmp_path):
         assert theirs(text).input_ids == ours.encode(text), text
         assert theirs.decode(ours.encode(text), skip_special_tokens=True) == text
     assert (theirs.bos_token, theirs.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    # GPT-2's own files need the network: the same ranks under GPT-2's pattern and <|endoftext|> stand in for them
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    ranks = ours.encoding._mergeable_ranks
+    gpt2_like = prepare_data.GPT2Tokenizer.__new__(prepare_data.GPT2Tokenizer)
+    gpt2_like.encoding = tiktoken.Encoding("gpt2-like", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                           special_tokens={"<|endoftext|>": len(ranks)})
+    gpt2_like.eot = len(ranks)
+    (tmp_path / "gpt2").mkdir()
+    export.write_tokenizer(str(tmp_path / "gpt2"), gpt2_like, 64)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "gpt2"))
+    for text in texts:
+        assert theirs(text).input_ids == gpt2_like.encode(text), text
+        assert theirs.decode(gpt2_like.encode(text)) == text
+    assert theirs.eos_token == "<|endoftext|>" and theirs("a").input_ids == gpt2_like.encode("a")
 
 
 # ------------------------------------------------------------------------------------------------------------
