@@ -34,6 +34,7 @@ import sys
 import time
 import tokenize
 import traceback
+import weakref
 from datetime import timedelta
 from functools import partial
 from typing import NamedTuple
@@ -53,6 +54,7 @@ sys.path.insert(0, HERE)
 import bench  # noqa: E402
 import bench_pipeline  # noqa: E402
 import checkpoint  # noqa: E402
+import export  # noqa: E402
 import gpt  # noqa: E402
 import gpu_check  # noqa: E402
 import hugging_face  # noqa: E402
@@ -3184,6 +3186,211 @@ def test_init_from_a_hub_name_reads_the_huggingface_hub_cache(tmp_path, gpt2_lik
 
 
 # ------------------------------------------------------------------------------------------------------------
+# export.py: a checkpoint of any layout out to the Hugging Face format, read back by --init_from and by transformers
+
+EXPORT_LAYOUTS = {"single": (train_single.main, 1, {}), "fsdp": (train_fsdp.main, 2, {}),
+                  "tp": (train_tp.main, 2, dict(sequence_parallel=True))}
+
+
+@pytest.fixture(scope="module")
+def corpus_300(corpus, tmp_path_factory):
+    """The default corpus under a vocabulary of 300 (its byte ids are the first 256): padded to 384, so wte and the LM
+    head carry 84 padding rows for the export to leave behind."""
+    folder = shared_folder(tmp_path_factory, "corpus_300")
+    if LAUNCHED_WORLD == 1 or dist.get_rank() == 0:
+        for split in ("train.bin", "val.bin"):
+            os.symlink(os.path.join(corpus, split), os.path.join(folder, split))
+        with open(os.path.join(corpus, "meta.json")) as f:
+            meta = json.load(f)
+        with open(os.path.join(folder, "meta.json"), "w") as f:
+            json.dump(dict(meta, vocab_size=300), f)
+    if LAUNCHED_WORLD > 1:
+        dist.barrier()
+    return str(folder)
+
+
+def exported_tensors(folder):
+    """Every tensor of an exported folder by stored name, from model.safetensors or from each of its shards."""
+    from safetensors.torch import load_file
+
+    files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+    return {name: tensor for file in files for name, tensor in load_file(os.path.join(folder, file)).items()}
+
+
+def _model_from(config, fill):
+    """Our model on CPU, its parameters filled by fill(model), in eval mode."""
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty() gives each module its own tensor
+    fill(model)
+    return model.eval()
+
+
+def _checkpoint_model(found):
+    config = gpt.GPTConfig(**found.meta["config"])
+    return _model_from(config, lambda model: checkpoint.load(found, checkpoint.parameter_parts(model), None, config))
+
+
+@pytest.mark.parametrize("layout, model", [(layout, model) for layout in EXPORT_LAYOUTS
+                                           for model in ("tiny", "llama-tiny")] + [("single", "llama tied")])
+def test_export_then_init_from_gives_the_same_logits(corpus, corpus_300, llama_like, shared_tmp, tmp_path, layout,
+                                                     model):
+    """A checkpoint written by each layout, exported in float32, holds what GPT2LMHeadModel or LlamaForCausalLM
+    stores, by the definitions of the two layouts written in this file (not hugging_face.py's mapping): their tensors'
+    names and shapes, the vocabulary cut to its 300 real rows, Conv1D's transposes, q and k rows as they are, no LM
+    head where it is tied (as Llama 3.2's: a run from the tied llama_like, 2 layers of width 64, vocabulary 256). Its
+    config.json reads back as the run's model, and --init_from the folder builds a model whose logits equal the
+    checkpoint's bit for bit."""
+    main, ranks, extra = EXPORT_LAYOUTS[layout]
+    if model == "llama tied":
+        extra = dict(extra, model=None, init_from=llama_like[True][0], data=corpus)
+    run_distributed(ranks, main, flags(corpus_300, shared_tmp, **dict(dict(model=model, max_steps=2), **extra)))
+    found = checkpoint.Checkpoint(checkpoint.latest(shared_tmp))
+    config = gpt.GPTConfig(**found.meta["config"])
+    folder = str(tmp_path / "exported")
+    export.export(found, folder)
+    stored = exported_tensors(folder)
+    if model == "tiny":  # GPT2LMHeadModel.save_pretrained() names them transformer.*
+        expected = {"transformer." + name: tensor for name, tensor in hugging_face_gpt2(
+            n_layer=4, n_head=4, n_embd=128, n_positions=32, vocab_size=300).items()}
+        ours = gpt_weights_from_hugging_face({n.removeprefix("transformer."): t for n, t in stored.items()}, config)
+    else:
+        expected = llama_like[True][1] if model == "llama tied" else hugging_face_llama(
+            n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384, vocab_size=300)
+        ours = gpt_weights_from_hugging_face_llama(stored, config)
+    assert {name: tuple(t.shape) for name, t in stored.items()} == {n: tuple(t.shape) for n, t in expected.items()}
+    for name, value in ours.items():  # the padding rows were left behind: the real ones are the checkpoint's
+        rows = config.vocab_size if name in ("wte.weight", "lm_head.weight") else len(value)
+        assert torch.equal(value[:rows], found.full(name)[:rows]), name
+    with open(os.path.join(folder, "config.json")) as f:
+        assert hugging_face.config_from_hugging_face(json.load(f), config.block_size, config.dropout) == config
+    idx = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    exported = _model_from(config, lambda m: m.init_weights(0, training.initial_values(config, 0, folder)))
+    with torch.no_grad():
+        logits = exported(idx)[..., :config.vocab_size]
+        reference = _checkpoint_model(found)(idx)[..., :config.vocab_size]
+    assert torch.equal(logits, reference), (logits - reference).abs().max()
+
+
+def test_export_streams_one_shard_at_a_time(corpus, tmp_path, monkeypatch):
+    """python export.py --max_shard_size 100KB: tiny's 3.3 MB in files of at most 100 KB (a larger tensor alone in
+    one) and model.safetensors.index.json naming each tensor's file; when a file is written, the tensors export.py
+    holds are that file's alone (every tensor read_stored returns is followed by a weak reference). The shards hold
+    what one file does; --dtype bfloat16 holds those values rounded. A folder that holds a model already, a step with
+    no checkpoint and data that is not there are refused in one line, before anything is written."""
+    run_distributed(1, train_single.main, flags(corpus, tmp_path / "run", max_steps=1))
+    real_read, real_save = export.read_stored, export.save_file
+    held, written = weakref.WeakSet(), []
+
+    def read_stored(*args):
+        tensor = real_read(*args)
+        held.add(tensor)
+        return tensor
+
+    def save_file(tensors, path, metadata):
+        written.append((os.path.basename(path), sum(t.numel() * t.element_size() for t in held),
+                        sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors)))
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(export, "read_stored", read_stored)
+    monkeypatch.setattr(export, "save_file", save_file)
+    export.main(["--out_dir", str(tmp_path / "run"), "--to", str(tmp_path / "sharded"), "--max_shard_size", "100KB"])
+    for file, in_memory, size, tensors in written:
+        assert in_memory == size and (size <= 100_000 or tensors == 1), (file, in_memory, size, tensors)
+    assert len(written) > 10 and max(size for _, _, size, _ in written) > 100_000  # wte is alone in its own
+    with open(tmp_path / "sharded" / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    sharded = exported_tensors(tmp_path / "sharded")
+    assert index["metadata"]["total_size"] == sum(size for _, _, size, _ in written)
+    assert sorted(set(index["weight_map"].values())) == [file for file, _, _, _ in written]
+    assert all(file.startswith("model-") and file.endswith(f"-of-{len(written):05d}.safetensors")
+               for file, _, _, _ in written)
+    assert index["weight_map"].keys() == sharded.keys()
+    export.main(["--out_dir", str(tmp_path / "run"), "--to", str(tmp_path / "whole")])
+    export.main(["--out_dir", str(tmp_path / "run"), "--to", str(tmp_path / "bf16"), "--dtype", "bfloat16"])
+    whole, bf16 = exported_tensors(tmp_path / "whole"), exported_tensors(tmp_path / "bf16")
+    assert sorted(os.listdir(tmp_path / "whole")) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                      "tokenizer_config.json"]
+    assert whole.keys() == sharded.keys() == bf16.keys()
+    for name, tensor in whole.items():
+        assert tensor.dtype == torch.float32 and torch.equal(sharded[name], tensor), name
+        assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], tensor.bfloat16()), name
+    run = ["--out_dir", str(tmp_path / "run")]
+    for argv, message in [(["--to", str(tmp_path / "whole")], "'.*whole' already holds a model .config.json.: choose "
+                                                              "another --to"),
+                          (["--to", str(tmp_path / "new"), "--step", "7"], "no checkpoint ckpt-0000007 in '.*run' "
+                                                                           r"\(it holds ckpt-0000001\): pass"),
+                          (["--to", str(tmp_path / "new"), "--data", str(tmp_path / "none")], "no prepared data")]:
+        with pytest.raises(ValueError, match=message):
+            export.main(run + argv)
+    assert not os.path.exists(tmp_path / "new")
+
+
+NO_TRANSFORMERS = ("transformers is not installed (CI leaves it out): `pip install transformers` to hold export.py's "
+                   "folders to AutoModelForCausalLM and AutoTokenizer")
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_transformers_continues_an_exported_run_as_we_do(corpus, tmp_path, model):
+    """AutoModelForCausalLM and AutoTokenizer load what `python export.py` wrote of an FSDP run at its initial weights
+    (learning rate 0: random weights, so that every token chosen depends on the whole model): transformers' logits are
+    ours within float32 noise (measured up to 6e-7), its greedy continuation of a prompt is gpt.generate's at top_k 1,
+    and its tokenizer gives the prompt our ids and decodes the continuation as ours does."""
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
+    run_distributed(2, train_fsdp.main, flags(corpus, tmp_path / "run", model=model, max_steps=1, lr=0, min_lr=0))
+    export.main(["--out_dir", str(tmp_path / "run"), "--to", str(tmp_path / "exported")])
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exported"))
+    ours = _checkpoint_model(checkpoint.Checkpoint(checkpoint.latest(tmp_path / "run")))
+    prompt = "def run("
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0].tolist() == prepare_data.ByteTokenizer().encode(prompt)
+    continued = gpt.generate(ours, ids, 24, 32, 256, temperature=1.0, top_k=1)
+    with torch.no_grad():
+        generated = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        difference = (theirs(continued).logits - ours(continued)[..., :256]).abs().max().item()
+    print(f"{model}: logits differ by {difference:.1e}; continued {tokenizer.decode(generated[0])!r}")
+    assert difference < 1e-5
+    assert generated.tolist() == continued.tolist()
+    assert tokenizer.decode(generated[0]) == prepare_data.ByteTokenizer().decode(continued[0].tolist())
+
+
+def test_transformers_tokenizes_as_the_run_did(tmp_path):
+    """tokenizer.json written for a Llama 3 tokenizer.model (a small one in its format: write_tiktoken_bpe), and for
+    GPT-2's tokenizer (its pattern over the same ranks), reads in AutoTokenizer, which gives every text the ids
+    prepare_data.py gave it (Llama's: <|begin_of_text|> first, digits in threes; GPT-2's: digits in runs) and decodes
+    them back."""
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
+    write_tiktoken_bpe(tmp_path / "tokenizer.model")
+    ours = prepare_data.get_tokenizer(str(tmp_path / "tokenizer.model"))
+    assert export.write_tokenizer(str(tmp_path), ours, 64) == [
+        "tokenizer.json", "tokenizer_config.json"]
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    texts = ["12345 it's", "def main():\n    return 42\n\n", "caf\u00e9 na\u00efve  \t spaces", "Hello, World!!"]
+    for text in texts:
+        assert theirs(text).input_ids == ours.encode(text), text
+        assert theirs.decode(ours.encode(text), skip_special_tokens=True) == text
+    assert (theirs.bos_token, theirs.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    # GPT-2's own files need the network: the same ranks under GPT-2's pattern and <|endoftext|> stand in for them
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    ranks = ours.encoding._mergeable_ranks
+    gpt2_like = prepare_data.GPT2Tokenizer.__new__(prepare_data.GPT2Tokenizer)
+    gpt2_like.encoding = tiktoken.Encoding("gpt2-like", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                           special_tokens={"<|endoftext|>": len(ranks)})
+    gpt2_like.eot = len(ranks)
+    (tmp_path / "gpt2").mkdir()
+    export.write_tokenizer(str(tmp_path / "gpt2"), gpt2_like, 64)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "gpt2"))
+    for text in texts:
+        assert theirs(text).input_ids == gpt2_like.encode(text), text
+        assert theirs.decode(gpt2_like.encode(text)) == text
+    assert theirs.eos_token == "<|endoftext|>" and theirs("a").input_ids == gpt2_like.encode("a")
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Resuming with dropout: every generator a rank draws from is saved and restored. Masks depend on the layout, so
 # a run is held to the uninterrupted run of its own layout, bit for bit.
 
@@ -3823,9 +4030,9 @@ def walkthrough(section):
 
 @launches_its_own_ranks
 def test_fine_tuning_walkthroughs_run_as_written(corpus, tmp_path):
-    """The README's CPU fine-tuning walkthrough, then docs/fine-tuning.md's loading measurement, each as one bash
-    script of its text's commands, in a fresh copy of the project's files: the walkthrough makes its own text folder
-    and its GPT-2 with the project's own script (hugging_face.py), at a few steps and a smaller model."""
+    """The README's CPU fine-tuning walkthrough and its export, then docs/fine-tuning.md's loading measurement, each as
+    one bash script of its text's commands, in a fresh copy of the project's files: the walkthrough makes its own
+    text folder and its GPT-2 with the project's own script (hugging_face.py), at a few steps and a smaller model."""
     repo = tmp_path / "repo"
     repo.mkdir()
     for name in os.listdir(HERE):
@@ -3835,7 +4042,8 @@ def test_fine_tuning_walkthroughs_run_as_written(corpus, tmp_path):
     (repo / "data" / "default").symlink_to(corpus)  # the loading measurement trains on the default corpus
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     outputs = {}
-    for section in ["On CPU, offline: fine-tune on a local text folder, then sample", "What loading costs"]:
+    for section in ["On CPU, offline: fine-tune on a local text folder, then sample",
+                    "Out to Hugging Face: export, then load in transformers", "What loading costs"]:
         script = walkthrough(section)
         done = subprocess.run(["bash", "-e", "-c", script], cwd=repo, env=env, capture_output=True, text=True,
                               timeout=LAUNCH_TIMEOUT_S)
@@ -3845,6 +4053,8 @@ def test_fine_tuning_walkthroughs_run_as_written(corpus, tmp_path):
     assert len(list((repo / "texts").glob("*.py"))) > 10 and (repo / "gpt2-tiny" / "model.safetensors").exists()
     assert "from gpt2-tiny's weights" in walked and "step     0 |" in walked, walked[-3000:]
     assert "checkpoint out/finetune/ckpt-0000001 (step 1)\nsample:\ndef " in walked, walked[-3000:]
+    exported = outputs["Out to Hugging Face: export, then load in transformers"]
+    assert "(step 1) -> finetuned: config.json, model.safetensors, tokenizer.json" in exported, exported[-3000:]
     measured = outputs["What loading costs"]
     assert "pieces of 1/8 of a parameter" in measured and "from gpt2-bytes's weights" in measured, measured[-3000:]
 
@@ -5475,7 +5685,9 @@ def test_init_from_a_llama_that_contradicts_the_flags_is_refused(corpus, tmp_pat
 def test_llama_config_json_of_the_hub_and_of_transformers_5_give_the_presets():
     """config.json as the hub's Llama 3.1 8B and 3.2 1B repositories write it (rope_theta and rope_scaling at the top
     level; written here from them) and as transformers 5 writes it (one rope_parameters entry) is the preset's
-    config; Llama 3's own (no rope_scaling) keeps every frequency."""
+    config; Llama 3's own (no rope_scaling) keeps every frequency. export.py writes each preset's config.json back as
+    the hub's repository does, its context aside (the run's --block_size), every key the hub's holds but its
+    initializer_range and the transformers version."""
     llama31_8b = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
                   "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
                   "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
@@ -5493,6 +5705,11 @@ def test_llama_config_json_of_the_hub_and_of_transformers_5_give_the_presets():
         assert hugging_face.config_from_hugging_face(hf, 8192, 0.1) == gpt.make_config(preset, 128256, 8192, 0.1)
     llama3 = {key: value for key, value in llama31_8b.items() if key != "rope_scaling"}
     assert hugging_face.config_from_hugging_face(llama3, 8192, 0.0).rope_scaling is None
+    for hub, preset in ((llama31_8b, "llama3.1-8b"), (llama32_1b, "llama3.2-1b")):  # export.py writes them back
+        written = export.hugging_face_config(gpt.make_config(preset, 128256, 131072), "bfloat16",
+                                             dict(bos=128000, eos=128001))
+        assert hub.keys() - written.keys() == {"initializer_range", "transformers_version"}, preset
+        assert {key: written[key] for key in hub if key in written} == {key: hub[key] for key in hub if key in written}
 
 
 def write_tiktoken_bpe(path):
