@@ -436,17 +436,16 @@ def fsdp_terms(config, steps, compute, tp, dp, backend, reshard, sliced, units, 
 
 
 def zero_terms(config, steps, dp, backend, stage, bucket_mb, buckets):
-    """[Term] of ZeRO's buckets: stage 1 all-reduces each in the last micro-step, as DDP; stage 2 reduce-scatters
-    each in every micro-step; then each rank's updated slices of the weights are all-gathered."""
+    """[Term] of ZeRO's buckets, each reduce-scattered into the ranks' slices: stage 1 in the last micro-step, as DDP
+    all-reduces, stage 2 in every micro-step; then each rank's updated slices of the weights are all-gathered. At
+    k = 1 micro-step both send (N-1)/N · 4Ψ twice: DDP's 2(N-1)/N · 4Ψ."""
     padded, _ = zero_buckets(config, Layout("zero", dp, dp, 1, 1, stage=stage, bucket_mb=bucket_mb), buckets)
-    if stage == 1:
-        reduced = Term("gradient buckets, during the last micro-step's backward", "all_reduce", "dp", len(padded),
-                       sum(sent("all_reduce", 4 * size, dp, backend) for size in padded))
-    else:
-        reduced = Term("gradient buckets, during every micro-step's backward", "reduce_scatter", "dp",
-                       steps * len(padded), steps * sum(sent("reduce_scatter", 4 * size, dp, backend) for size in padded))
-    return [reduced, Term("each rank's updated slices of the weights, after the step", "all_gather", "dp", len(padded),
-                          sum(sent("all_gather", 4 * size // dp, dp, backend) for size in padded))]
+    reduced = 1 if stage == 1 else steps  # reduce-scatters of each bucket a step
+    micro_steps = "the last micro-step's" if stage == 1 else "every micro-step's"
+    return [Term(f"gradient buckets, during {micro_steps} backward", "reduce_scatter", "dp", reduced * len(padded),
+                 reduced * sum(sent("reduce_scatter", 4 * size, dp, backend) for size in padded)),
+            Term("each rank's updated slices of the weights, after the step", "all_gather", "dp", len(padded),
+                 sum(sent("all_gather", 4 * size // dp, dp, backend) for size in padded))]
 
 
 def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float32", backend="gloo", tp=1, dp=1,

@@ -1787,9 +1787,15 @@ def test_zero_sends_its_formula(corpus, tmp_path_factory, stage):
     bucket); both all-gather the slices once, and all-reduce the gradient norm, the logged loss and whether to stop.
     The same collectives as plan.comm_formula, and the same bytes, to the byte."""
     _, ranks = zero_run(corpus, tmp_path_factory, 4, stage=stage, impl="ours")
-    terms = plan.comm_formula("zero", gpt.make_config("tiny", 256, 32), 16, micro_batch=2, dp=4, stage=stage,
-                              buckets=train_ddp.assign_buckets)
+    formula = functools.partial(plan.comm_formula, config=gpt.make_config("tiny", 256, 32), global_batch=16,
+                                micro_batch=2, dp=4, stage=stage, buckets=train_ddp.assign_buckets)
+    terms = formula("zero")
     assert assert_sends_its_formula(ranks[0][0], terms, 4) == sum(term.bytes for term in terms)
+    # On NCCL (gloo's reduce-scatter is an all-reduce): the buckets' reduce-scatters and all-gather send DDP's
+    # 2(N-1)/N · 4Ψ at stage 1, the paper's, and (k + 1)(N-1)/N · 4Ψ at stage 2, k = 2; padding aside (< 4 elements).
+    buckets = sum(t.bytes for t in formula("zero", backend="nccl") if t.kind in ("reduce_scatter", "all_gather"))
+    ddp = next(t.bytes for t in formula("ddp", backend="nccl") if t.what.startswith("gradient buckets"))
+    assert buckets == pytest.approx(ddp * (1 if stage == 1 else 1.5), rel=1e-4)
 
 
 def _zero_on_any_module(stage):
@@ -1810,24 +1816,41 @@ def _zero_on_any_module(stage):
                                             lr=0.01)
     batch = torch.randn(4 * world_size, 8, generator=torch.Generator().manual_seed(5))
     whole_buckets_left, norms = [], []
-    for step in range(2):
-        rows = batch[4 * rank:4 * rank + 4]
-        with model.no_sync():  # stage 1: accumulates; stage 2: keeps its whole bucket across the micro-steps
-            (model(rows[:2]) / 2).backward()
-        (model(rows[2:]) / 2).backward()
-        whole_buckets_left.append(sum(bucket.buffer.untyped_storage().nbytes() for bucket in model.buckets))
-        reference(batch).backward()  # the whole global batch on one process
-        norms.append((model.clip_grad_norm_(CLIPPED).item(), torch.nn.utils.clip_grad_norm_(trained, CLIPPED).item()))
-        optimizer.step()
-        model.gather_parameters()
-        model.zero_grad(set_to_none=False)
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
+    with RecordCollectives() as collectives:
+        for step in range(2):
+            rows = batch[4 * rank:4 * rank + 4]
+            with model.no_sync():  # stage 1: accumulates; stage 2: keeps its whole bucket across the micro-steps
+                (model(rows[:2]) / 2).backward()
+            (model(rows[2:]) / 2).backward()
+            whole_buckets_left.append(sum(bucket.buffer.untyped_storage().nbytes() for bucket in model.buckets))
+            reference(batch).backward()  # the whole global batch on one process
+            norms.append((model.clip_grad_norm_(CLIPPED).item(),
+                          torch.nn.utils.clip_grad_norm_(trained, CLIPPED).item()))
+            optimizer.step()
+            model.gather_parameters()
+            model.zero_grad(set_to_none=False)
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
     weights = {name: param.detach().numpy().copy() for name, param in net.named_parameters()}
     expected = {name: param.detach().numpy().copy() for name, param in reference.named_parameters()}
     moments = sum(t.numel() for state in optimizer.state.values() for key, t in state.items() if key != "step")
     gradients = sum(bucket.gradient_slice.numel() for bucket in model.buckets)
-    return weights, expected, moments, gradients, whole_buckets_left, [b.buffer.numel() for b in model.buckets], norms
+    return (weights, expected, moments, gradients, whole_buckets_left, [b.buffer.numel() for b in model.buckets], norms,
+            collectives.names)
+
+
+class RecordCollectives(TorchDispatchMode):
+    """The name of every c10d operation run while active, in order: the function called, where gloo's profiler
+    records a reduce-scatter as an all-reduce."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
 
 
 CLIPPED = 0.05  # below Net's gradient norms (0.2-0.3): clipping acts on every step
@@ -1838,9 +1861,11 @@ def test_zero_on_an_uneven_bucket_that_mixes_decayed_and_undecayed_parameters(st
     """Net's 80 trainable elements in one bucket over 3 ranks: padded to 81, slices of 27; rank 0's holds both
     biases (no decay) and 11 elements of the tied matrix (decay 0.5). Two steps of two micro-steps (the first inside
     no_sync), clipped, equal AdamW on the whole module and batch; the moments cover each element once; stage 2 holds
-    its slice of the gradient alone, and no whole bucket outlives backward."""
+    its slice of the gradient alone, and no whole bucket outlives backward. A step reduce-scatters the bucket once,
+    in the last micro-step, all-reduces the norm's square and all-gathers the weights: stage 1 all-reduces no bucket."""
     results = run_distributed(3, _zero_on_any_module, stage)
-    for weights, expected, moments, gradients, whole, sizes, norms in results:
+    for weights, expected, moments, gradients, whole, sizes, norms, collectives in results:
+        assert collectives == 2 * ["_reduce_scatter_base_", "allreduce_", "_allgather_base_"]
         assert sizes == [81] and gradients == 27
         assert whole == ([0, 0] if stage == 2 else [4 * 81] * 2)
         np.testing.assert_allclose(*zip(*norms), rtol=1e-5)
