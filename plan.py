@@ -378,26 +378,27 @@ class Term(NamedTuple):
 
 
 def tensor_parallel_terms(config, tokens, steps, compute, tp, backend, sequence_parallel, loss_parallel):
-    """[Term] of Megatron's f and g and the vocab-parallel loss over `tokens` a micro-step, `steps` micro-steps. Every
-    f and g and their conjugates carry the compute dtype (under bf16 autocast they cast the layer norms' and the
-    embedding's float32 outputs first); the loss's per-token sums stay float32."""
+    """[Term] of Megatron's f and g and the vocab-parallel loss over `tokens` a micro-step, `steps` micro-steps. f
+    and the row-parallel g carry the compute dtype (under bf16 autocast f casts the norms' float32 outputs first), and
+    so do their conjugates; the embedding's g, and its conjugate, the float32 residual stream; the loss's per-token
+    sums float32."""
     L, activation = config.n_layer, tokens * config.n_embd  # elements of one [micro batch, sequence, hidden]
     if sequence_parallel:
         collectives = [
-            ("embedding output, forward (g)", "reduce_scatter", 1),
-            ("attention and MLP partial products, forward (g)", "reduce_scatter", 2 * L),
-            ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + 1),
-            ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + 1),
-            ("partial products' gradients, backward (g)", "all_gather", 2 * L),
-            ("embedding output's gradient, backward (g)", "all_gather", 1)]
+            ("embedding output, forward (g)", "reduce_scatter", 1, 4),
+            ("attention and MLP partial products, forward (g)", "reduce_scatter", 2 * L, compute),
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + 1, compute),
+            ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + 1, compute),
+            ("partial products' gradients, backward (g)", "all_gather", 2 * L, compute),
+            ("embedding output's gradient, backward (g)", "all_gather", 1, 4)]
     else:
         collectives = [
-            ("embedding output, forward (g)", "all_reduce", 1),
-            ("attention and MLP partial products, forward (g)", "all_reduce", 2 * L),
-            ("layer norm outputs' gradients, backward (f, f of the LM head)", "all_reduce", 2 * L + 1)]
+            ("embedding output, forward (g)", "all_reduce", 1, 4),
+            ("attention and MLP partial products, forward (g)", "all_reduce", 2 * L, compute),
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "all_reduce", 2 * L + 1, compute)]
     terms = []
-    for what, kind, count in collectives:
-        payload = compute * activation // (tp if kind == "all_gather" else 1)  # an all-gather sends its shard
+    for what, kind, count, width in collectives:
+        payload = width * activation // (tp if kind == "all_gather" else 1)  # an all-gather sends its shard
         terms.append(Term(what, kind, "tp", steps * count, steps * count * sent(kind, payload, tp, backend)))
     if loss_parallel:  # each token's max logit, then its sum of exponentials and target logit, in float32
         terms.append(Term("vocab-parallel loss, per token", "all_reduce", "tp", 2 * steps,

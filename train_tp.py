@@ -101,7 +101,7 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
 
 
 def compute_dtype(x):
-    """What the next matmul reads x in, autocast's or x's: f and g send x in it, their conjugates its gradient."""
+    """What the next matmul reads x in, autocast's or x's: f sends x in it, its conjugate x's gradient."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
@@ -113,9 +113,11 @@ def f(x, group, sequence_parallel):
 
 
 def g(x, group, sequence_parallel):
-    """Megatron's g, f's conjugate, where the region ends: sum the partial products, or reduce-scatter them."""
+    """Megatron's g, f's conjugate, where the region ends: sum the partial products, or reduce-scatter them, in x's
+    dtype: a matmul's output is autocast's already, and the embedding's stays float32, the residual stream's dtype
+    in train_single.py (its sum is exact: one rank holds each row)."""
     region = ReduceScatterToSequenceParallelRegion if sequence_parallel else ReduceFromTensorParallelRegion
-    return region.apply(x.to(compute_dtype(x)), group)
+    return region.apply(x, group)
 
 
 # Layers. Each replaces a gpt.py module and keeps its parameter names; `boxes` says where each sliced parameter
