@@ -280,8 +280,10 @@ def context_parallel_terms(config, tokens, steps, compute, cp, cp_impl, backend)
     """[Term] of attention over cp ranks, `tokens` of this rank's a micro-step (b·s/cp), `steps` micro-steps: each
     layer's keys and values (2·tokens·kv elements, the KV heads only) travel forward and their gradients backward.
     allgather: one all-gather forward and one reduce-scatter backward a layer, (cp-1) blocks each way; ring: cp-1
-    point-to-point sends of the block forward, and backward the block again and its dK/dV partial sums, cp-1 each."""
-    L, block = config.n_layer, 2 * tokens * config.n_kv_head * config.head_dim * compute
+    point-to-point sends of the block forward, and backward the block again and its dK/dV partial sums (float32, so
+    that bfloat16 rounds them once, not at every hop), cp-1 each."""
+    L, elements = config.n_layer, 2 * tokens * config.n_kv_head * config.head_dim
+    block = elements * compute
     if cp_impl == "allgather":
         return [Term("keys and values, forward (all-gather)", "all_gather", "cp", steps * L,
                      steps * L * wire_bytes("all_gather", block, cp)),
@@ -292,7 +294,7 @@ def context_parallel_terms(config, tokens, steps, compute, cp, cp_impl, backend)
             Term("keys and values around the ring again, backward", "send", "cp", steps * L * (cp - 1),
                  steps * L * (cp - 1) * block),
             Term("their dK/dV partial sums, back to the owner", "send", "cp", steps * L * (cp - 1),
-                 steps * L * (cp - 1) * block),
+                 steps * L * (cp - 1) * elements * 4),
             Term("each of the three, received from the previous rank", "recv", "cp", 3 * steps * L * (cp - 1), 0)]
 
 

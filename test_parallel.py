@@ -5968,6 +5968,33 @@ def test_cp_attention_equals_one_device_and_balances_the_work(cp_impl):
         assert work == [32 * 33 // 2 // 4] * 4, work
 
 
+def _ring_message_dtypes():
+    """bfloat16 q, k and v of 2 sequences of 32 tokens through ring_attention, forward and backward, on this rank:
+    the dtype of every message it sent around the ring, in order."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 8, heads, 8, generator=generator).bfloat16().requires_grad_() for heads in (4, 2, 2))
+    sent, real_ring_exchange = [], train_cp.ring_exchange
+
+    def ring_exchange(tensor, group):
+        sent.append(str(tensor.dtype))
+        return real_ring_exchange(tensor, group)
+
+    train_cp.ring_exchange = ring_exchange
+    try:
+        train_cp.ring_attention(q, k, v, dist.group.WORLD).float().sum().backward()
+    finally:
+        train_cp.ring_exchange = real_ring_exchange
+    return sent
+
+
+def test_ring_attention_sends_its_dk_dv_partial_sums_in_float32():
+    """Under bfloat16 the ring's keys and values travel in bf16, but the dK/dV partial sums that pass from rank to rank
+    on their way home stay float32: rounded to bf16 at each of the cp - 1 hops, their error would grow with cp."""
+    for sent in run_distributed(4, _ring_message_dtypes):
+        keys, sums = "torch.bfloat16", "torch.float32"  # backward: a hop's block, then the sum for the one before
+        assert sent == [keys] * 3 + [keys, keys, sums, keys, sums, sums], sent
+
+
 def _cp_refused(argv):
     """train_cp.main's refusal on this rank, which must come before its first collective."""
     real = dist.all_gather_object  # init_distributed's fingerprint check: the first collective of a run

@@ -121,8 +121,8 @@ def block_attention_backward(q, k, v, grad_out, lse, delta, diagonal):
 class RingAttention(torch.autograd.Function):
     """Ring attention: at step s each rank attends to the keys and values of rank - s while sending them on to rank +
     1 (batch_isend_irecv, overlapping the block's compute); the partial outputs merge by their log-sum-exp. Backward
-    passes the keys and values around again, and each block's dK/dV partial sums travel with it back to its owner.
-    q, k and v are [B, n_kv_head, group, 2 x chunk_len, head_dim] (k and v with a group of 1)."""
+    passes the keys and values around again, and each block's dK/dV partial sums travel with it back to its owner, in
+    float32. q, k and v are [B, n_kv_head, group, 2 x chunk_len, head_dim] (k and v with a group of 1)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group):
@@ -171,14 +171,14 @@ class RingAttention(torch.autograd.Function):
             else:  # add to the sum the previous rank started for the same block, and pass it on towards its owner
                 if step > 1:
                     wait(sum_works)
-                    grad_kv += received_sum.float()
-                received_sum, sum_works = ring_exchange(grad_kv.to(kv.dtype), group)
+                    grad_kv += received_sum
+                received_sum, sum_works = ring_exchange(grad_kv, group)  # float32: rounded once, at home, not a hop
             if step + 1 < cp:
                 wait(works)
                 kv = next_kv
         if cp > 1:  # the sum of every other rank's queries' gradients for this rank's keys, back home
             wait(sum_works)
-            own += received_sum.float()
+            own += received_sum
         return grad_q.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
 
 
