@@ -258,7 +258,8 @@ def context_parallel_plan(config, layout):
     """[(item, bytes)] of one rank of train_cp.py: the whole model as under DDP, and the activations and logits of its
     s / cp tokens of every sequence, as one device holds them for a sequence that short. What attention adds: the
     all-gather saves every rank's keys and values, 2·b·s·kv a layer in the compute dtype (its own among them), and
-    the mask of which key each query sees; the ring saves only its own, and its output in float32 to merge into."""
+    on CPU the mask torch builds for each query chunk's lower-right causal attention (on CUDA the fused kernels need
+    none); the ring saves only its own, and its output in float32 to merge into."""
     s, b, L, kv = config.block_size, layout.micro_batch, config.n_layer, config.n_kv_head * config.head_dim
     e = 2 if layout.dtype == "bfloat16" else 4
     whole = layout._replace(strategy="ddp", cp=1)
@@ -266,9 +267,10 @@ def context_parallel_plan(config, layout):
     rows = [row for row in plan_memory(config, whole) if row[0].startswith(weights)]
     rows += [row for row in plan_memory(replace(config, block_size=s // layout.cp), whole)
              if not row[0].startswith(weights)]
-    if layout.cp_impl == "allgather":  # and the boolean mask, s / cp queries x s keys
+    if layout.cp_impl == "allgather":  # on CPU, and two boolean masks: chunk i's queries x (i+1) chunks of keys
         item = "every rank's keys and values, gathered"
-        size = 2 * b * (s - s // layout.cp) * kv * e + s * s // layout.cp
+        chunk = s // (2 * layout.cp)
+        size = 2 * b * (s - s // layout.cp) * kv * e + (2 * layout.cp + 1) * chunk * chunk * (layout.device == "cpu")
     else:  # float32: the output itself
         item, size = "ring attention's float32 output", b * s // layout.cp * config.n_embd * 4 if e == 2 else 0
     if layout.activation_checkpointing:  # saved only while a block is recomputed

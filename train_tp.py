@@ -289,7 +289,7 @@ def clip_grad_norm_(named_parameters, tp_group, device, max_norm):
     on TP rank 0 only (in train_2d.py each is also an FSDP piece, disjoint across data-parallel ranks)."""
     first = dist.get_rank(tp_group) == 0
     grads = [param.grad for name, param in named_parameters if is_sliced(name) or first]
-    total = sum((grad.float().pow(2).sum().to(device) for grad in grads), torch.zeros((), device=device))
+    total = torch.nn.utils.get_total_norm(grads, foreach=True).to(device) ** 2  # one kernel a device and dtype
     dist.all_reduce(total)  # over every rank: in train_2d.py the data-parallel pieces are disjoint too
     norm = total.sqrt()
     torch.nn.utils.clip_grads_with_norm_([param for _, param in named_parameters], max_norm, norm)
