@@ -29,11 +29,11 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatt
 class ZeroStage1(train_ddp.DataParallel):
     """ZeRO-1: DataParallel's buckets, each padded to N·n elements; rank r owns elements [r·n, (r+1)·n) of each, its
     slice. Gradients accumulate whole, as DDP's do, but each bucket is reduce-scattered into the slices, which alone
-the optimizer steps. The weights live in
-    flat buffers laid out as the gradient buckets (every parameter a view into one); each parameter's part of this
-    rank's slice is a piece, a parameter of its own with its own decay and AdamW state, whose gradient is a view
-    into the gradient's slice. After the step, gather_parameters() all-gathers the slices into every rank's weights.
-    Zero the gradients in place (zero_grad(set_to_none=False)): they are views into the buckets."""
+    the optimizer steps. The weights live in flat buffers laid out as the gradient buckets (every parameter a view
+    into one); each parameter's part of this rank's slice is a piece, a parameter of its own with its own decay and
+    AdamW state, whose gradient is a view into the gradient's slice. After the step, gather_parameters() all-gathers
+    the slices into every rank's weights. Zero the gradients in place (zero_grad(set_to_none=False)): they are views
+    into the buckets."""
 
     def __init__(self, module, bucket_mb=25, process_group=None):
         group = process_group or dist.group.WORLD
@@ -205,8 +205,7 @@ def main(argv=None):
             x, y = train_data.get(step, micro_step)
             # Both stages reduce-scatter; they differ in where the micro-steps accumulate. Stage 1 in the whole
             # buckets, reduced in the last micro-step only, as DDP; stage 2 in the slices, reduced every micro-step,
-            # k times the bytes, so that no rank ever holds the whole gradient (no_sync would keep it, bucket by
-            # bucket).
+            # k times the bytes, so that no rank ever holds the whole gradient (no_sync would keep it whole).
             with nullcontext() if micro_step + 1 == train_data.accumulation or args.stage == 2 else ddp_model.no_sync():
                 with autocast:
                     loss = forward(x, y) / train_data.accumulation  # gradient of the mean over the global batch
