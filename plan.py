@@ -258,7 +258,8 @@ def context_parallel_plan(config, layout):
     """[(item, bytes)] of one rank of train_cp.py: the whole model as under DDP, and the activations and logits of its
     s / cp tokens of every sequence, as one device holds them for a sequence that short. What attention adds: the
     all-gather saves every rank's keys and values, 2·b·s·kv a layer in the compute dtype (its own among them), and
-    the mask of which key each query sees; the ring saves only its own, and its output in float32 to merge into."""
+    on CPU the mask torch builds for each query chunk's lower-right causal attention (on CUDA the fused kernels need
+    none); the ring saves only its own, and its output in float32 to merge into."""
     s, b, L, kv = config.block_size, layout.micro_batch, config.n_layer, config.n_kv_head * config.head_dim
     e = 2 if layout.dtype == "bfloat16" else 4
     whole = layout._replace(strategy="ddp", cp=1)
@@ -266,9 +267,10 @@ def context_parallel_plan(config, layout):
     rows = [row for row in plan_memory(config, whole) if row[0].startswith(weights)]
     rows += [row for row in plan_memory(replace(config, block_size=s // layout.cp), whole)
              if not row[0].startswith(weights)]
-    if layout.cp_impl == "allgather":  # and the boolean mask, s / cp queries x s keys
+    if layout.cp_impl == "allgather":  # on CPU, and two boolean masks: chunk i's queries x (i+1) chunks of keys
         item = "every rank's keys and values, gathered"
-        size = 2 * b * (s - s // layout.cp) * kv * e + s * s // layout.cp
+        chunk = s // (2 * layout.cp)
+        size = 2 * b * (s - s // layout.cp) * kv * e + (2 * layout.cp + 1) * chunk * chunk * (layout.device == "cpu")
     else:  # float32: the output itself
         item, size = "ring attention's float32 output", b * s // layout.cp * config.n_embd * 4 if e == 2 else 0
     if layout.activation_checkpointing:  # saved only while a block is recomputed
@@ -280,8 +282,10 @@ def context_parallel_terms(config, tokens, steps, compute, cp, cp_impl, backend)
     """[Term] of attention over cp ranks, `tokens` of this rank's a micro-step (b·s/cp), `steps` micro-steps: each
     layer's keys and values (2·tokens·kv elements, the KV heads only) travel forward and their gradients backward.
     allgather: one all-gather forward and one reduce-scatter backward a layer, (cp-1) blocks each way; ring: cp-1
-    point-to-point sends of the block forward, and backward the block again and its dK/dV partial sums, cp-1 each."""
-    L, block = config.n_layer, 2 * tokens * config.n_kv_head * config.head_dim * compute
+    point-to-point sends of the block forward, and backward the block again and its dK/dV partial sums (float32, so
+    that bfloat16 rounds them once, not at every hop), cp-1 each."""
+    L, elements = config.n_layer, 2 * tokens * config.n_kv_head * config.head_dim
+    block = elements * compute
     if cp_impl == "allgather":
         return [Term("keys and values, forward (all-gather)", "all_gather", "cp", steps * L,
                      steps * L * wire_bytes("all_gather", block, cp)),
@@ -292,7 +296,7 @@ def context_parallel_terms(config, tokens, steps, compute, cp, cp_impl, backend)
             Term("keys and values around the ring again, backward", "send", "cp", steps * L * (cp - 1),
                  steps * L * (cp - 1) * block),
             Term("their dK/dV partial sums, back to the owner", "send", "cp", steps * L * (cp - 1),
-                 steps * L * (cp - 1) * block),
+                 steps * L * (cp - 1) * elements * 4),
             Term("each of the three, received from the previous rank", "recv", "cp", 3 * steps * L * (cp - 1), 0)]
 
 
@@ -378,26 +382,27 @@ class Term(NamedTuple):
 
 
 def tensor_parallel_terms(config, tokens, steps, compute, tp, backend, sequence_parallel, loss_parallel):
-    """[Term] of Megatron's f and g and the vocab-parallel loss over `tokens` a micro-step, `steps` micro-steps. Every
-    f and g and their conjugates carry the compute dtype (under bf16 autocast they cast the layer norms' and the
-    embedding's float32 outputs first); the loss's per-token sums stay float32."""
+    """[Term] of Megatron's f and g and the vocab-parallel loss over `tokens` a micro-step, `steps` micro-steps. f
+    and the row-parallel g carry the compute dtype (under bf16 autocast f casts the norms' float32 outputs first), and
+    so do their conjugates; the embedding's g, and its conjugate, the float32 residual stream; the loss's per-token
+    sums float32."""
     L, activation = config.n_layer, tokens * config.n_embd  # elements of one [micro batch, sequence, hidden]
     if sequence_parallel:
         collectives = [
-            ("embedding output, forward (g)", "reduce_scatter", 1),
-            ("attention and MLP partial products, forward (g)", "reduce_scatter", 2 * L),
-            ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + 1),
-            ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + 1),
-            ("partial products' gradients, backward (g)", "all_gather", 2 * L),
-            ("embedding output's gradient, backward (g)", "all_gather", 1)]
+            ("embedding output, forward (g)", "reduce_scatter", 1, 4),
+            ("attention and MLP partial products, forward (g)", "reduce_scatter", 2 * L, compute),
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + 1, compute),
+            ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + 1, compute),
+            ("partial products' gradients, backward (g)", "all_gather", 2 * L, compute),
+            ("embedding output's gradient, backward (g)", "all_gather", 1, 4)]
     else:
         collectives = [
-            ("embedding output, forward (g)", "all_reduce", 1),
-            ("attention and MLP partial products, forward (g)", "all_reduce", 2 * L),
-            ("layer norm outputs' gradients, backward (f, f of the LM head)", "all_reduce", 2 * L + 1)]
+            ("embedding output, forward (g)", "all_reduce", 1, 4),
+            ("attention and MLP partial products, forward (g)", "all_reduce", 2 * L, compute),
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "all_reduce", 2 * L + 1, compute)]
     terms = []
-    for what, kind, count in collectives:
-        payload = compute * activation // (tp if kind == "all_gather" else 1)  # an all-gather sends its shard
+    for what, kind, count, width in collectives:
+        payload = width * activation // (tp if kind == "all_gather" else 1)  # an all-gather sends its shard
         terms.append(Term(what, kind, "tp", steps * count, steps * count * sent(kind, payload, tp, backend)))
     if loss_parallel:  # each token's max logit, then its sum of exponentials and target logit, in float32
         terms.append(Term("vocab-parallel loss, per token", "all_reduce", "tp", 2 * steps,
@@ -436,17 +441,16 @@ def fsdp_terms(config, steps, compute, tp, dp, backend, reshard, sliced, units, 
 
 
 def zero_terms(config, steps, dp, backend, stage, bucket_mb, buckets):
-    """[Term] of ZeRO's buckets: stage 1 all-reduces each in the last micro-step, as DDP; stage 2 reduce-scatters
-    each in every micro-step; then each rank's updated slices of the weights are all-gathered."""
+    """[Term] of ZeRO's buckets, each reduce-scattered into the ranks' slices: stage 1 in the last micro-step, as DDP
+    all-reduces, stage 2 in every micro-step; then each rank's updated slices of the weights are all-gathered. At
+    k = 1 micro-step both send (N-1)/N · 4Ψ twice: DDP's 2(N-1)/N · 4Ψ."""
     padded, _ = zero_buckets(config, Layout("zero", dp, dp, 1, 1, stage=stage, bucket_mb=bucket_mb), buckets)
-    if stage == 1:
-        reduced = Term("gradient buckets, during the last micro-step's backward", "all_reduce", "dp", len(padded),
-                       sum(sent("all_reduce", 4 * size, dp, backend) for size in padded))
-    else:
-        reduced = Term("gradient buckets, during every micro-step's backward", "reduce_scatter", "dp",
-                       steps * len(padded), steps * sum(sent("reduce_scatter", 4 * size, dp, backend) for size in padded))
-    return [reduced, Term("each rank's updated slices of the weights, after the step", "all_gather", "dp", len(padded),
-                          sum(sent("all_gather", 4 * size // dp, dp, backend) for size in padded))]
+    reduced = 1 if stage == 1 else steps  # reduce-scatters of each bucket a step
+    micro_steps = "the last micro-step's" if stage == 1 else "every micro-step's"
+    return [Term(f"gradient buckets, during {micro_steps} backward", "reduce_scatter", "dp", reduced * len(padded),
+                 reduced * sum(sent("reduce_scatter", 4 * size, dp, backend) for size in padded)),
+            Term("each rank's updated slices of the weights, after the step", "all_gather", "dp", len(padded),
+                 sum(sent("all_gather", 4 * size // dp, dp, backend) for size in padded))]
 
 
 def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float32", backend="gloo", tp=1, dp=1,

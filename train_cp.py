@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 import gpt
 import train_ddp
@@ -59,16 +60,24 @@ class GatherSequence(torch.autograd.Function):
 
 
 def allgather_attention(q, k, v, group):
-    """Llama 3's: the local queries over every rank's keys and values (only the KV heads travel), masked by the
-    tokens' global positions."""
+    """Llama 3's: the local queries over every rank's keys and values (only the KV heads travel), put back in position
+    order. Each of this rank's two query chunks then attends to the keys up to its own end, causal from the bottom
+    right (torch's causal_lower_right: no mask tensor, so CUDA's flash and memory-efficient kernels take it; on CPU
+    torch builds the [chunk, keys] mask itself). Head chunk i reads (i+1) chunks of keys, tail chunk 2·cp-1-i reads
+    2·cp-i: 2·cp+1 on every rank."""
     rank, cp, chunk_len = dist.get_rank(group), dist.get_world_size(group), q.shape[1] // 2
     kv = GatherSequence.apply(torch.stack([k, v]), group)  # [cp, 2, B, 2 x chunk_len, n_kv_head, head_dim]
-    k, v = kv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3).transpose(2, 3)  # [B, n_kv_head, cp x 2 x chunk_len, head_dim]
-    query_positions = chunk_positions(rank, cp, chunk_len, q.device)
-    key_positions = torch.cat([chunk_positions(r, cp, chunk_len, q.device) for r in range(cp)])
-    visible = key_positions[None, :] <= query_positions[:, None]
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible, enable_gqa=k.shape[1] != q.shape[2])
-    return y.transpose(1, 2)
+    kv = kv.unflatten(3, (2, chunk_len))  # rank r's two chunks: r and 2·cp-1-r
+    kv = torch.cat([kv[:, :, :, 0], kv[:, :, :, 1].flip(0)])  # [2·cp chunks in position order, 2, B, chunk_len, ...]
+    k, v = kv.permute(1, 2, 4, 0, 3, 5).flatten(3, 4)  # [B, n_kv_head, 2·cp·chunk_len, head_dim]
+    q = q.transpose(1, 2)
+    outputs = []
+    for half, chunk in zip((slice(0, chunk_len), slice(chunk_len, 2 * chunk_len)), chunks(rank, cp)):
+        keys = (chunk + 1) * chunk_len
+        outputs.append(F.scaled_dot_product_attention(q[:, :, half], k[:, :, :keys], v[:, :, :keys],
+                                                      attn_mask=causal_lower_right(chunk_len, keys),
+                                                      enable_gqa=k.shape[1] != q.shape[1]))
+    return torch.cat(outputs, 2).transpose(1, 2)
 
 
 def ring_exchange(tensor, group):
@@ -96,7 +105,10 @@ def chunk_pairs(rank, source, cp, chunk_len):
 
 def block_attention(q, k, v, diagonal):
     """Softmax attention of one query chunk over one key chunk: (output, log-sum-exp of each query's scores), both
-    float32. q [B, n_kv_head, group, L, head_dim], k and v [B, n_kv_head, 1, L, head_dim]."""
+    float32. q [B, n_kv_head, group, L, head_dim], k and v [B, n_kv_head, 1, L, head_dim]. On CUDA a fused kernel;
+    elsewhere explicit matmuls, the reference the tests hold the ring to."""
+    if q.is_cuda:
+        return fused_block_attention(q, k, v, diagonal)
     scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
     if diagonal:
         scores = scores + torch.full(scores.shape[-2:], -torch.inf, device=q.device).triu(1)
@@ -104,8 +116,11 @@ def block_attention(q, k, v, diagonal):
     return ((scores - lse[..., None]).exp().to(v.dtype) @ v).float(), lse
 
 
-def block_attention_backward(q, k, v, grad_out, lse, delta, diagonal):
-    """The gradients (float32) of one block for the whole softmax: its probabilities from the final log-sum-exp."""
+def block_attention_backward(q, k, v, grad_out, out, lse, delta, diagonal):
+    """The gradients (float32) of one block for the whole softmax: its probabilities from the final log-sum-exp, and
+    delta, each query's sum of dO·O over the final output out."""
+    if q.is_cuda:
+        return fused_block_attention_backward(q, k, v, grad_out, out, lse, diagonal)
     scale = q.shape[-1] ** -0.5
     scores = (q @ k.transpose(-1, -2)).float() * scale
     if diagonal:
@@ -118,11 +133,36 @@ def block_attention_backward(q, k, v, grad_out, lse, delta, diagonal):
     return grad_q.float(), grad_k.float(), grad_v.float()
 
 
+# CUDA's memory-efficient attention kernel (any float dtype; it returns the log-sum-exp, padded to 32 queries) on one
+# block, as torch's context_parallel calls it. k and v are expanded to every query head: the kernel shares none.
+# Not yet run on a GPU.
+LSE_ALIGNMENT = 32
+
+
+def fused_block_attention(q, k, v, diagonal):
+    group, length = q.shape[2], q.shape[-2]
+    q, k, v = (t.expand(-1, -1, group, -1, -1).flatten(1, 2) for t in (q, k, v))  # [B, n_head, L, head_dim]
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, diagonal)
+    return out.unflatten(1, (-1, group)).float(), lse[..., :length].unflatten(1, (-1, group))
+
+
+def fused_block_attention_backward(q, k, v, grad_out, out, lse, diagonal):
+    group, length = q.shape[2], q.shape[-2]
+    q, k, v = (t.expand(-1, -1, group, -1, -1).flatten(1, 2) for t in (q, k, v))
+    grad_out, out = (t.to(q.dtype).flatten(1, 2) for t in (grad_out, out))
+    lse = F.pad(lse.flatten(1, 2), (0, -(-length // LSE_ALIGNMENT) * LSE_ALIGNMENT - length))  # the kernel's layout
+    unused = torch.zeros((), dtype=torch.int64)  # the dropout generator's seed and offset: no dropout here
+    grad_q, grad_k, grad_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, None, out, lse, unused, unused, 0.0, [True, True, True, False], diagonal)
+    grad_k, grad_v = (t.unflatten(1, (-1, group)).sum(2, keepdim=True) for t in (grad_k, grad_v))
+    return grad_q.unflatten(1, (-1, group)).float(), grad_k.float(), grad_v.float()
+
+
 class RingAttention(torch.autograd.Function):
     """Ring attention: at step s each rank attends to the keys and values of rank - s while sending them on to rank +
     1 (batch_isend_irecv, overlapping the block's compute); the partial outputs merge by their log-sum-exp. Backward
-    passes the keys and values around again, and each block's dK/dV partial sums travel with it back to its owner.
-    q, k and v are [B, n_kv_head, group, 2 x chunk_len, head_dim] (k and v with a group of 1)."""
+    passes the keys and values around again, and each block's dK/dV partial sums travel with it back to its owner, in
+    float32. q, k and v are [B, n_kv_head, group, 2 x chunk_len, head_dim] (k and v with a group of 1)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group):
@@ -161,8 +201,8 @@ class RingAttention(torch.autograd.Function):
             grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             for query, key, diagonal in chunk_pairs(rank, (rank - step) % cp, cp, chunk_len):
                 dq, dk, dv = block_attention_backward(q[..., query, :], kv[0][..., key, :], kv[1][..., key, :],
-                                                      grad_out[..., query, :], lse[..., query], delta[..., query],
-                                                      diagonal)
+                                                      grad_out[..., query, :], out[..., query, :], lse[..., query],
+                                                      delta[..., query], diagonal)
                 grad_q[..., query, :] += dq
                 grad_kv[0][..., key, :] += dk
                 grad_kv[1][..., key, :] += dv
@@ -171,14 +211,14 @@ class RingAttention(torch.autograd.Function):
             else:  # add to the sum the previous rank started for the same block, and pass it on towards its owner
                 if step > 1:
                     wait(sum_works)
-                    grad_kv += received_sum.float()
-                received_sum, sum_works = ring_exchange(grad_kv.to(kv.dtype), group)
+                    grad_kv += received_sum
+                received_sum, sum_works = ring_exchange(grad_kv, group)  # float32: rounded once, at home, not a hop
             if step + 1 < cp:
                 wait(works)
                 kv = next_kv
         if cp > 1:  # the sum of every other rank's queries' gradients for this rank's keys, back home
             wait(sum_works)
-            own += received_sum.float()
+            own += received_sum
         return grad_q.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
 
 

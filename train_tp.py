@@ -101,7 +101,7 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
 
 
 def compute_dtype(x):
-    """What the next matmul reads x in, autocast's or x's: f and g send x in it, their conjugates its gradient."""
+    """What the next matmul reads x in, autocast's or x's: f sends x in it, its conjugate x's gradient."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
@@ -113,9 +113,11 @@ def f(x, group, sequence_parallel):
 
 
 def g(x, group, sequence_parallel):
-    """Megatron's g, f's conjugate, where the region ends: sum the partial products, or reduce-scatter them."""
+    """Megatron's g, f's conjugate, where the region ends: sum the partial products, or reduce-scatter them, in x's
+    dtype: a matmul's output is autocast's already, and the embedding's stays float32, the residual stream's dtype
+    in train_single.py (its sum is exact: one rank holds each row)."""
     region = ReduceScatterToSequenceParallelRegion if sequence_parallel else ReduceFromTensorParallelRegion
-    return region.apply(x.to(compute_dtype(x)), group)
+    return region.apply(x, group)
 
 
 # Layers. Each replaces a gpt.py module and keeps its parameter names; `boxes` says where each sliced parameter
@@ -287,7 +289,7 @@ def clip_grad_norm_(named_parameters, tp_group, device, max_norm):
     on TP rank 0 only (in train_2d.py each is also an FSDP piece, disjoint across data-parallel ranks)."""
     first = dist.get_rank(tp_group) == 0
     grads = [param.grad for name, param in named_parameters if is_sliced(name) or first]
-    total = sum((grad.float().pow(2).sum().to(device) for grad in grads), torch.zeros((), device=device))
+    total = torch.nn.utils.get_total_norm(grads, foreach=True).to(device) ** 2  # one kernel a device and dtype
     dist.all_reduce(total)  # over every rank: in train_2d.py the data-parallel pieces are disjoint too
     norm = total.sqrt()
     torch.nn.utils.clip_grads_with_norm_([param for _, param in named_parameters], max_norm, norm)

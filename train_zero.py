@@ -28,11 +28,12 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatt
 
 class ZeroStage1(train_ddp.DataParallel):
     """ZeRO-1: DataParallel's buckets, each padded to N·n elements; rank r owns elements [r·n, (r+1)·n) of each, its
-    slice. Gradients are all-reduced whole, as DDP does, but the optimizer steps only the slices. The weights live in
-    flat buffers laid out as the gradient buckets (every parameter a view into one); each parameter's part of this
-    rank's slice is a piece, a parameter of its own with its own decay and AdamW state, whose gradient is a view
-    into the gradient's slice. After the step, gather_parameters() all-gathers the slices into every rank's weights.
-    Zero the gradients in place (zero_grad(set_to_none=False)): they are views into the buckets."""
+    slice. Gradients accumulate whole, as DDP's do, but each bucket is reduce-scattered into the slices, which alone
+    the optimizer steps. The weights live in flat buffers laid out as the gradient buckets (every parameter a view
+    into one); each parameter's part of this rank's slice is a piece, a parameter of its own with its own decay and
+    AdamW state, whose gradient is a view into the gradient's slice. After the step, gather_parameters() all-gathers
+    the slices into every rank's weights. Zero the gradients in place (zero_grad(set_to_none=False)): they are views
+    into the buckets."""
 
     def __init__(self, module, bucket_mb=25, process_group=None):
         group = process_group or dist.group.WORLD
@@ -65,6 +66,13 @@ class ZeroStage1(train_ddp.DataParallel):
         """Where this rank's slice of the bucket's averaged gradient lives: under ZeRO-1, in the whole bucket."""
         return bucket.buffer[bucket.slice]
 
+    def reduce(self, bucket):
+        """Reduce-scatter the bucket into this rank's slice of it, in place (NCCL's in-place case: the output is the
+        input's own rank-th slice). The optimizer reads nothing else: an all-reduce would send (N-1)/N · 4Ψ more
+        bytes for slices no one steps. The rest of the bucket keeps this rank's own sum, read by no one."""
+        bucket.work = reduce_scatter_single(bucket.gradient_slice, bucket.buffer, op=dist.ReduceOp.AVG,
+                                            group=self.process_group, async_op=True)
+
     def parameter_groups(self):
         """(with weight decay, without): this rank's pieces, for training.make_optimizer."""
         return ([piece for piece, decay in zip(self.pieces, self.decays) if decay],
@@ -89,7 +97,8 @@ class ZeroStage1(train_ddp.DataParallel):
 
 
 class ZeroStage2(ZeroStage1):
-    """ZeRO-2: also the averaged gradient only for this rank's slice. Each bucket is reduce-scattered as soon as
+    """ZeRO-2: also the averaged gradient only for this rank's slice, in storage of its own, where micro-steps
+    accumulate (ZeRO-1 accumulates in the whole buckets and reduces once). Each bucket is reduce-scattered as soon as
     backward has filled it, and the bucket's whole gradient exists only from its first gradient to the end of its
     reduce-scatter, which is waited for when the next bucket's starts: one in flight while the next one fills. Each
     backward reduce-scatters and the slices add up; inside no_sync() the whole buckets accumulate instead."""
@@ -194,8 +203,9 @@ def main(argv=None):
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(train_data.accumulation):
             x, y = train_data.get(step, micro_step)
-            # Stage 1 reduces in the last micro-step only, as DDP; stage 2 reduce-scatters every micro-step, k times
-            # the bytes, so that no rank ever holds the whole gradient (no_sync would keep it, bucket by bucket).
+            # Both stages reduce-scatter; they differ in where the micro-steps accumulate. Stage 1 in the whole
+            # buckets, reduced in the last micro-step only, as DDP; stage 2 in the slices, reduced every micro-step,
+            # k times the bytes, so that no rank ever holds the whole gradient (no_sync would keep it whole).
             with nullcontext() if micro_step + 1 == train_data.accumulation or args.stage == 2 else ddp_model.no_sync():
                 with autocast:
                     loss = forward(x, y) / train_data.accumulation  # gradient of the mean over the global batch

@@ -264,9 +264,9 @@ def init_distributed(args, device):
 def project_code():
     """{file: SHA-256} of every module this process has loaded from the project's folder (the script, the scripts it
     composes, the shared files, whatever else it imported from there), and torch's version."""
-    folder = os.path.dirname(os.path.abspath(__file__))
+    folder, code = os.path.dirname(os.path.abspath(__file__)), {"torch": torch.__version__}
     paths = {os.path.abspath(getattr(module, "__file__", None) or "") for module in list(sys.modules.values())}
-    code = {"torch": torch.__version__}
+    paths.add(os.path.join(folder, "torch_reference.py"))  # --impl torch imports it in main(), after this check
     for path in sorted(p for p in paths if os.path.dirname(p) == folder and p.endswith(".py") and os.path.isfile(p)):
         with open(path, "rb") as f:
             code[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
