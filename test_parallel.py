@@ -3357,6 +3357,38 @@ def _memory_held(main, argv):
     return held
 
 
+
+SIMULATED_MODEL = "llama3.2-1b"  # Llama 3.1 8B's step takes minutes on one core here: the same shapes' rules, 16 layers
+SIMULATED = {  # script, the rank simulated of 64, its flags, the Layout's (strategy, dp, tp, replicate)
+    "fsdp-rank-0": ("train_fsdp.py", 0, [], ("fsdp", 64, 1, 1)),
+    "2d-rank-0": ("train_2d.py", 0, ["--tp", "8", "--dp", "8"], ("2d", 8, 8, 1)),
+    "2d-rank-63": ("train_2d.py", 63, ["--tp", "8", "--dp", "8"], ("2d", 8, 8, 1)),
+    "hsdp-rank-0": ("train_fsdp.py", 0, ["--replicate", "8"], ("fsdp", 64, 1, 8)),
+}
+
+
+@pytest.mark.parametrize("case", list(SIMULATED))
+def test_a_simulated_rank_of_64_holds_the_planned_model_states(corpus, case):
+    """simulate.py runs the script as one rank of 64 through the fake process group (in its own process: the group
+    and RANK are its own), Llama 3.2 1B with the corpus' 256 tokens for a vocabulary (the plan reads it from
+    meta.json as the run does) and 16 tokens a sequence, one step: its parameters, gradients and AdamW state are
+    plan.py's model states to the byte, from plan.parameter_plan with the scripts' own units and TP rule."""
+    script, rank, extra, (strategy, dp, tp, replicate) = SIMULATED[case]
+    argv = ["--model", SIMULATED_MODEL, "--data", corpus, "--block_size", "16", "--global_batch", str(dp),
+            "--max_steps", "1", *extra]
+    code = f"import json, simulate; print('MEASURED', json.dumps(simulate.simulate({script!r}, {argv!r}, {rank}, 64)))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.split("MEASURED ")[-1])
+    config = gpt.make_config(SIMULATED_MODEL, 256, 16, 0.0)
+    layout = plan.Layout(strategy, 64, dp, tp, micro_batch=1, replicate=replicate)
+    params, tensors, *_ = plan.parameter_plan(config, layout, train_tp.is_sliced, train_fsdp.flat_parameter_groups)
+    print(case, measured)
+    planned = [size for _, size in plan.model_states(params, tensors)]
+    assert planned == [measured["parameters"], measured["gradients"], measured["AdamW state"]]
+
+
 BF16_PLANNED = ["single", "fsdp", "2d-sequence-parallel"]  # bf16 is slow on CPU: the three kinds of autocast rules
 
 
