@@ -2,14 +2,14 @@
 The one checkpoint format every layout shares: a run saved by any script resumes under any other, at any world size.
 A checkpoint is a folder `<out_dir>/ckpt-<step>` with one file per rank and a meta.pt; `<out_dir>/latest` names the
 newest complete one. A rank file maps tensor names (gpt.py's parameter names, and `exp_avg/<name>`, `exp_avg_sq/<name>`
-for AdamW's moments) to the pieces the rank holds (its Parts, below, copied out), each
+for AdamW's moments) to the pieces the rank holds (its Parts, below, written from where they are), each
     {"shape": full shape, "box": ((start, stop) per dim), "flat": (start, stop), "data": 1-D tensor}
 Loading copies into each part of the loading layout only the stored pieces' overlap with it.
 
-Saving (save): every rank writes its file into `ckpt-<step>.tmp`, the ranks agree that every write succeeded, and
-rank 0 writes meta.pt, renames the folder into place and repoints `latest`. Resuming: to_resume finds the checkpoint
-and refuses what it cannot continue, before any collective; resume loads this rank's part of every tensor, AdamW's
-moments and the random generators' state (under another layout, generators that keep that layout's rules).
+Saving (save): every rank writes its file into `ckpt-<step>.tmp`, the ranks agree that every write succeeded (in a
+gloo group of their own), rank 0 writes meta.pt, renames the folder into place and repoints `latest`. Resuming:
+to_resume finds the checkpoint and refuses what it cannot continue, before any collective; resume loads this rank's
+part of every tensor, AdamW's moments and the generators' state (under another layout, ones that keep its rules).
 """
 
 import errno
@@ -66,8 +66,10 @@ def piece(shape, data, box=None, flat=None):
     """What a checkpoint stores of a part: `data` is elements [flat[0], flat[1]) of the flattened full[box]."""
     box = tuple(box or [(0, n) for n in shape])
     flat = tuple(flat or (0, math.prod(stop - start for start, stop in box)))
-    # A copy, not a view: torch.save writes a view's whole storage, e.g. an entire FSDP flat buffer.
-    data = data.detach().reshape(-1).to("cpu", copy=True)
+    # No copy, but a storage of its own: torch.save writes a view's whole storage, a device's to the host one at a time
+    data = data.detach().reshape(-1)
+    start = data.storage_offset() * data.element_size()
+    data = data.new_empty(0).set_(data.untyped_storage()[start:start + data.nbytes], 0, data.shape)
     return {"shape": tuple(shape), "box": box, "flat": flat, "data": data}
 
 
@@ -138,18 +140,13 @@ def publish(out_dir, step, world_size, meta, keep=0):
 def save(args, step, tensors, config, device, rank=0, world_size=1, tp=1):
     """Every rank writes its pieces, then rank 0 publishes the checkpoint. The ranks agree after each phase: a write
     that fails anywhere (no space, no permission) publishes nothing, removes the folder and stops every rank. tp: the
-    consecutive ranks that hold the same random generators (tensor-parallel peers), which meta.pt records."""
+    consecutive ranks that hold the same random generators (tensor-parallel peers): meta.pt records r // tp by rank."""
     folder = os.path.join(args.out_dir, f"ckpt-{step:07d}.tmp")
     write_everywhere(lambda: save_shard(args.out_dir, step, rank, tensors, rng_state(device)),
                      folder, tensors, rank, world_size)
-
-    def publish_on_rank_0():
-        if rank == 0:
-            generators = [r // tp for r in range(world_size)]  # ranks with equal numbers hold equal generators
-            publish(args.out_dir, step, world_size, {"config": asdict(config), "args": vars(args),
-                                                     "generators": generators}, args.keep_checkpoints)
-
-    write_everywhere(publish_on_rank_0, folder, {}, rank, world_size)  # nobody goes on before `latest` moved
+    meta = {"config": asdict(config), "args": vars(args), "generators": [r // tp for r in range(world_size)]}
+    write_everywhere(lambda: rank == 0 and publish(args.out_dir, step, world_size, meta, args.keep_checkpoints),
+                     folder, {}, rank, world_size)  # nobody goes on before `latest` moved
 
 
 def write_everywhere(write, folder, tensors, rank, world_size):
@@ -162,10 +159,9 @@ def write_everywhere(write, folder, tensors, rank, world_size):
     except BaseException:  # Ctrl-C, a crash: no half-written folder stays behind
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    errors = [error]
+    errors = [error] * world_size
     if world_size > 1:
-        errors = [None] * world_size
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, error, group=training.save_group)  # not NCCL's: --save_timeout
     if any(errors):
         shutil.rmtree(folder, ignore_errors=True)
         previous = latest(os.path.dirname(folder)) or "none yet"
@@ -211,6 +207,7 @@ def to_resume(args):
     if not (path and args.resume):
         return None
     saved = Checkpoint(path).meta
+    args.resume = path  # what this rank found (a filesystem's cache may show nodes others): the fingerprint compares it
     say = print if training.launched_rank()[0] == 0 else lambda text: None
     if saved["step"] >= args.max_steps:
         say(f"nothing to do: {path!r} is at step {saved['step']} and --max_steps is {args.max_steps}; pass a larger "
@@ -264,10 +261,6 @@ class Checkpoint:
             if covered != math.prod(shape):
                 raise ValueError(f"checkpoint {self.path!r}: tensor {name} {tuple(shape)} covers {covered} of its "
                                  f"{math.prod(shape)} elements (another model, or a rank file missing or truncated)")
-
-    def full(self, name):
-        shape = tuple(self.pieces[name][0]["shape"])
-        return self.region(name, tuple((0, n) for n in shape), (0, math.prod(shape))).view(shape)
 
     def region(self, name, box, flat):
         """Elements [flat[0], flat[1]) of the flattened full[box] of tensor `name` (a Part's), copied out of only the

@@ -267,7 +267,7 @@ def read_run(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         records = {r["step"]: r for r in map(json.loads, f) if "loss" in r}  # a resumed step overwrites its first try
     found = checkpoint.Checkpoint(checkpoint.latest(out_dir))
-    weights = {name: found.full(name).numpy() for name in found.pieces if "/" not in name}
+    weights = {name: full_tensor(found, name).numpy() for name in found.pieces if "/" not in name}
     steps = sorted(records)
     val_losses = {s: records[s]["val_loss"] for s in steps if "val_loss" in records[s]}
     return Run([records[s]["loss"] for s in steps], weights, [records[s]["grad_norm"] for s in steps],
@@ -464,6 +464,41 @@ def test_cuda_rank_takes_its_gpu_and_binds_the_process_group_to_it(monkeypatch):
         dist.destroy_process_group()
     assert joined == [("nccl", torch.device("cuda", 0))]
 
+
+
+@pytest.mark.skipif(dist.is_initialized() or LAUNCHED_WORLD > 1, reason="sets this process's thread count")
+def test_a_rank_takes_its_share_of_the_cores_for_host_work(monkeypatch):
+    """The rule itself (CUDA mocked: no GPU here): a rank's threads are the cores it may run on over the node's ranks
+    (64 cores, 8 ranks: 8; never 0), or HOST_THREADS. On CUDA under --cpu_offload, where torchrun's OMP_NUM_THREADS=1
+    would leave AdamW one core, and not without it; on CPU unless OMP_NUM_THREADS is set."""
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.delenv("HOST_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's, for several ranks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    args = training.get_parser("").parse_args(["--device", "cuda"])
+    training.get_device(args, local_rank=3)
+    assert threads == []  # the host computes nothing worth threads: torchrun's setting stands
+    args.cpu_offload = True
+    for local_ranks, expected in [("8", 8), ("1", 64), ("128", 1)]:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+        training.get_device(args, local_rank=3)
+        assert threads[-1] == expected
+    monkeypatch.setenv("HOST_THREADS", "3")
+    training.get_device(args, local_rank=3)
+    assert threads[-1] == 3
+    monkeypatch.delenv("HOST_THREADS")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cpu = training.get_parser("").parse_args(["--device", "cpu"])
+    training.get_device(cpu)
+    assert len(threads) == 4  # OMP_NUM_THREADS set: it stands on CPU
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    training.get_device(cpu)
+    assert threads[-1] == 8
 
 def _advertised_commands():
     """Every command line of the README, of docs/*.md and of the scripts' docstrings that launches a training
@@ -690,6 +725,12 @@ def test_validation_loss_is_the_mean_over_the_validation_batches(corpus):
         assert model.training
 
 
+def full_tensor(found, name):
+    """Tensor `name` of checkpoint `found` (a checkpoint.Checkpoint), whole, from the pieces of any layout."""
+    shape = tuple(found.pieces[name][0]["shape"])
+    return found.region(name, tuple((0, n) for n in shape), (0, math.prod(shape))).view(shape)
+
+
 def test_checkpoint_pieces_assemble_any_layout(tmp_path):
     """Pieces cut as a tensor-parallel box, an FSDP flat range, or both, assemble into the full tensor."""
     full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
@@ -701,7 +742,45 @@ def test_checkpoint_pieces_assemble_any_layout(tmp_path):
         checkpoint.save_shard(str(tmp_path), 3, rank, {"w": mine}, rng_state=None)
     checkpoint.publish(str(tmp_path), 3, 2, {"config": {}})
     found = checkpoint.Checkpoint(checkpoint.latest(str(tmp_path)))
-    assert torch.equal(found.full("w"), full)
+    assert torch.equal(full_tensor(found, "w"), full)
+
+
+
+class CountAllocations(TorchDispatchMode):
+    """The bytes of every tensor an aten call returns in memory none of its inputs held: what it allocated."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        held = {x.untyped_storage().data_ptr() if isinstance(x, torch.Tensor) else x.data_ptr()
+                for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(x, (torch.Tensor, torch.UntypedStorage))}
+        self.bytes += sum(t.untyped_storage().nbytes() for t in torch.utils._pytree.tree_leaves(out)
+                          if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held)
+        return out
+
+
+def test_a_checkpoint_writes_host_tensors_without_copying_them(tmp_path):
+    """An offloaded FSDP shard (one flat host buffer holding two parameters' parts) and AdamW's moments over it: cutting
+    the pieces and writing the rank's file allocate no byte (every aten call counted), and each piece is stored alone
+    (its own elements, not the whole buffer) and reads back."""
+    flat = torch.randn(100)
+    parts = [checkpoint.Part("w", (6, 8), ((0, 6), (0, 8)), (0, 48), flat),
+             checkpoint.Part("b", (60,), ((0, 60),), (8, 60), flat, 48)]
+    moments = {"exp_avg": torch.randn(100), "exp_avg_sq": torch.rand(100)}
+    optimizer = argparse.Namespace(state={flat: moments})
+    with CountAllocations() as counted:
+        tensors = checkpoint.pieces(parts, optimizer)
+        checkpoint.save_shard(str(tmp_path), 1, 0, tensors, rng_state=None)
+    assert counted.bytes == 0
+    saved = torch.load(tmp_path / "ckpt-0000001.tmp" / "rank00000.pt", weights_only=True)["tensors"]
+    for name, source in [("w", flat[:48]), ("b", flat[48:100]), ("exp_avg/b", moments["exp_avg"][48:100]),
+                         ("exp_avg_sq/w", moments["exp_avg_sq"][:48])]:
+        data = saved[name][0]["data"]
+        assert torch.equal(data, source) and data.untyped_storage().nbytes() == source.nbytes, name
 
 
 # What writes, moves or removes a file while a checkpoint is saved and published (open: the `latest` pointer).
@@ -725,7 +804,7 @@ def test_checkpoint_publishing_survives_a_crash_between_any_two_file_operations(
         found = checkpoint.Checkpoint(checkpoint.latest(str(out_dir)))  # raises if unreadable
         found.check(config, {"w": (3,)})  # raises if a piece is missing
         step = found.meta["step"]
-        assert torch.equal(found.full("w"), torch.full((3,), float(step)))
+        assert torch.equal(full_tensor(found, "w"), torch.full((3,), float(step)))
         assert found.path.endswith(f"ckpt-{step:07d}")
         return step
 
@@ -2934,7 +3013,7 @@ def test_sample_continues_a_prompt_from_any_layout_checkpoint(saved, capsys, tmp
         texts[layout] = capsys.readouterr().out
     found = checkpoint.Checkpoint(checkpoint.latest(str(saved["single"])))
     model = gpt.GPT(gpt.GPTConfig(**found.meta["config"]))
-    model.init_weights(0, lambda name, shape: found.full(name))
+    model.init_weights(0, lambda name, shape: full_tensor(found, name))
     tokens = gpt.generate(model, torch.tensor([list(b"def ")]), 40, 32, 256, temperature=0.8, top_k=40, seed=1337)
     expected = "sample:\n" + prepare_data.ByteTokenizer().decode(tokens[0].tolist()) + "\n"
     assert texts == {layout: f"checkpoint {checkpoint.latest(str(saved[layout]))} (step 3)\n{expected}"
@@ -3616,6 +3695,38 @@ def _memory_held(main, argv):
     with bench.memory_held({}) as held, one_thread():
         main(argv)
     return held
+
+
+
+SIMULATED_MODEL = "llama3.2-1b"  # Llama 3.1 8B's step takes minutes on one core here: the same shapes' rules, 16 layers
+SIMULATED = {  # script, the rank simulated of 64, its flags, the Layout's (strategy, dp, tp, replicate)
+    "fsdp-rank-0": ("train_fsdp.py", 0, [], ("fsdp", 64, 1, 1)),
+    "2d-rank-0": ("train_2d.py", 0, ["--tp", "8", "--dp", "8"], ("2d", 8, 8, 1)),
+    "2d-rank-63": ("train_2d.py", 63, ["--tp", "8", "--dp", "8"], ("2d", 8, 8, 1)),
+    "hsdp-rank-0": ("train_fsdp.py", 0, ["--replicate", "8"], ("fsdp", 64, 1, 8)),
+}
+
+
+@pytest.mark.parametrize("case", list(SIMULATED))
+def test_a_simulated_rank_of_64_holds_the_planned_model_states(corpus, case):
+    """simulate.py runs the script as one rank of 64 through the fake process group (in its own process: the group
+    and RANK are its own), Llama 3.2 1B with the corpus' 256 tokens for a vocabulary (the plan reads it from
+    meta.json as the run does) and 16 tokens a sequence, one step: its parameters, gradients and AdamW state are
+    plan.py's model states to the byte, from plan.parameter_plan with the scripts' own units and TP rule."""
+    script, rank, extra, (strategy, dp, tp, replicate) = SIMULATED[case]
+    argv = ["--model", SIMULATED_MODEL, "--data", corpus, "--block_size", "16", "--global_batch", str(dp),
+            "--max_steps", "1", *extra]
+    code = f"import json, simulate; print('MEASURED', json.dumps(simulate.simulate({script!r}, {argv!r}, {rank}, 64)))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.split("MEASURED ")[-1])
+    config = gpt.make_config(SIMULATED_MODEL, 256, 16, 0.0)
+    layout = plan.Layout(strategy, 64, dp, tp, micro_batch=1, replicate=replicate)
+    params, tensors, *_ = plan.parameter_plan(config, layout, train_tp.is_sliced, train_fsdp.flat_parameter_groups)
+    print(case, measured)
+    planned = [size for _, size in plan.model_states(params, tensors)]
+    assert planned == [measured["parameters"], measured["gradients"], measured["AdamW state"]]
 
 
 BF16_PLANNED = ["single", "fsdp", "2d-sequence-parallel"]  # bf16 is slow on CPU: the three kinds of autocast rules
@@ -4602,7 +4713,7 @@ def test_a_diverged_run_stops_before_it_replaces_a_good_checkpoint(corpus, tmp_p
     assert checkpoint.latest(str(tmp_path)).endswith("ckpt-0000004")
     assert checkpoint_steps(tmp_path) == [2, 4]
     saved = checkpoint.Checkpoint(checkpoint.latest(str(tmp_path)))
-    assert all(torch.isfinite(saved.full(name)).all() for name in saved.pieces)
+    assert all(torch.isfinite(full_tensor(saved, name)).all() for name in saved.pieces)
     assert [record["step"] for record in strict_json_lines(tmp_path / "metrics.jsonl")] == list(range(DIVERGES_AT))
 
 
@@ -4683,7 +4794,7 @@ def test_a_non_finite_gradient_on_one_rank_stops_every_rank_before_the_step(corp
     assert len({last_step for _, _, last_step, _ in outcomes}) == 1, "the ranks stopped at different steps"
     assert checkpoint.latest(str(tmp_path)).endswith("ckpt-0000002") and checkpoint_steps(tmp_path) == [2]
     saved = checkpoint.Checkpoint(checkpoint.latest(str(tmp_path)))
-    assert all(torch.isfinite(saved.full(name)).all() for name in saved.pieces)
+    assert all(torch.isfinite(full_tensor(saved, name)).all() for name in saved.pieces)
     steps = [record["step"] for record in strict_json_lines(tmp_path / "metrics.jsonl")]
     assert steps == list(range(ONE_RANK_DIVERGES_AT))
 
@@ -4780,6 +4891,53 @@ def test_a_failed_write_on_one_rank_publishes_nothing(corpus, tmp_path):
     assert checkpoint.latest(str(tmp_path)).endswith("ckpt-0000002")
     assert checkpoint.Checkpoint(checkpoint.latest(str(tmp_path))).meta["step"] == 2
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+
+
+
+def _slow_write_on_rank_one(argv, delay_s):
+    """train_ddp.main(argv) where rank 1's write of its checkpoint file takes delay_s seconds longer."""
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if dist.get_rank() == 1 and str(path).endswith("rank00001.pt.tmp"):
+            time.sleep(delay_s)
+        return real_save(obj, path, *args, **kwargs)
+
+    torch.save = save
+    try:
+        train_ddp.main(argv)
+    finally:
+        torch.save = real_save
+
+
+def test_a_write_slower_than_the_timeout_still_publishes(corpus, tmp_path):
+    """The world's collectives time out after 10 s (--timeout's part; the harness made the group), and rank 1's write
+    of the checkpoint takes 14 s more: rank 0 waits for it in the saves' own gloo group (--save_timeout, 30 min), not
+    in a collective of the world (NCCL's watchdog on a GPU), so the run ends and `latest` names a checkpoint that
+    loads."""
+    run_distributed(2, _slow_write_on_rank_one, flags(corpus, tmp_path, max_steps=2), 14, timeout_s=10)
+    assert checkpoint.latest(str(tmp_path)).endswith("ckpt-0000002")
+    assert checkpoint.Checkpoint(checkpoint.latest(str(tmp_path))).meta["step"] == 2
+
+
+def _resume_with_an_older_latest_on_rank_one(argv, older):
+    """_resume_refused(argv) where rank 1 reads `latest` as naming `older` (a shared filesystem's stale cache)."""
+    if dist.get_rank() == 1:
+        checkpoint.latest = lambda out_dir: older  # a forked worker's module: the test's own is untouched
+    return _resume_refused(argv)
+
+
+def test_ranks_that_resolved_different_checkpoints_are_refused(corpus, tmp_path):
+    """Rank 0 finds step 4's checkpoint, rank 1 step 2's: every rank stops with one line naming both, before any
+    work (the fingerprint check, before the model is built), and not a step is taken."""
+    run_distributed(2, train_ddp.main, flags(corpus, tmp_path, max_steps=4, ckpt_interval=2, keep_checkpoints=0))
+    older = os.path.join(str(tmp_path), "ckpt-0000002")
+    metrics = open(tmp_path / "metrics.jsonl").read()
+    argv = flags(corpus, tmp_path, max_steps=6, resume=True)
+    for error in run_distributed(2, _resume_with_an_older_latest_on_rank_one, argv, older):
+        assert error and error.startswith("UsageError: ranks [1] run other arguments than rank 0"), error
+        assert "ckpt-0000004 vs " in error and "ckpt-0000002" in error and "`latest`" in error and "\n" not in error
+    assert open(tmp_path / "metrics.jsonl").read() == metrics
 
 
 @launches_its_own_ranks

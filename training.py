@@ -2,11 +2,11 @@
 What every run needs but the model and its strategy (train_*.py): flags, launch and the ranks' fingerprint check, the
 batch sampler, initial values, optimizer and schedule, evaluation, the sample, the compile / recompute wrapper, logs.
 
-A script's main() calls it in this file's order: get_parser; launched_rank and get_device; load_data, which checks
-every flag before any collective; init_distributed; initial_values; make_optimizer and wrap_blocks; Logger.start;
-then each step evaluate, set_lr, StopRequest.agreed and Logger.log_step; sample at the end. `run(main)` is every
-script's entry point: a mistake or a planned stop ends the run with one line and an exit code, not a traceback from
-every rank. Nothing here knows a strategy: a script passes in its own data-parallel rank and group.
+A script's main() calls it in this file's order: get_parser; launched_rank and get_device; load_data, which checks every
+flag before any collective; init_distributed; initial_values; make_optimizer and wrap_blocks; Logger.start; then each
+step evaluate, set_lr, StopRequest.agreed and Logger.log_step; sample at the end. `run(main)` is every script's entry
+point: a mistake or a planned stop ends the run with one line and an exit code, not a traceback from every rank.
+Nothing here knows a strategy: a script passes in its own data-parallel rank and group.
 """
 
 import atexit
@@ -79,6 +79,7 @@ def get_parser(description, strategy="single"):
     add("--out_dir", default=f"out/{strategy}", help="checkpoints and metrics.jsonl")
     add("--ckpt_interval", type=count, default=100, help="steps between checkpoints, and one at the end; 0: the end")
     add("--keep_checkpoints", type=count, default=2, help="the newest checkpoints kept; 0: every one")
+    add("--save_timeout", type=positive, default=1800, help="seconds the ranks wait for a save's slowest write")
     add("--resume", action="store_true", help="continue from the latest checkpoint in --out_dir")
     add = p.add_argument_group("logging").add_argument
     add("--log_interval", type=positive_int, default=10, help="steps between progress lines")
@@ -137,6 +138,7 @@ def check_tensor_parallel(config, tp, sequence_parallel):
 
 USAGE_EXIT_CODE = 2  # argparse's, for every mistake in how a script is called
 OTHER_RANKS_WAIT_S = 10  # after a UsageError, how long a rank other than 0 waits for torchrun to end it
+save_group = None  # init_distributed's gloo group for checkpoint.save's agreements, with its own --save_timeout
 
 
 class Stopped(Exception):
@@ -231,15 +233,18 @@ def get_device(args, local_rank=0):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = getattr(args, "tf32", False)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is visible; use --device cpu")
+    device = torch.device("cpu")
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         # LOCAL_RANK indexes the node's GPUs, unless the launcher shows each process only its own
         device = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0)
         torch.cuda.set_device(device)
-        return device
-    # Ranks sharing a machine share its cores; oversubscribing them makes every rank several times slower.
-    if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins (torchrun sets 1 for several ranks)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    return torch.device("cpu")
+    # A node's ranks share its cores: a rank takes its share (or HOST_THREADS), or all are several times slower. On CPU
+    # unless OMP_NUM_THREADS is set (torchrun's 1 for several ranks); on CUDA under --cpu_offload: AdamW's, the host's.
+    if vars(args).get("cpu_offload") if device.type == "cuda" else "OMP_NUM_THREADS" not in os.environ:
+        share = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(int(os.environ.get("HOST_THREADS", max(1, share))))
+    return device
+
 
 
 def init_distributed(args, device):
@@ -255,6 +260,8 @@ def init_distributed(args, device):
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     check_same_on_every_rank(args, world_size)
+    global save_group  # a save's ranks wait here for the slowest write: NCCL's watchdog ends them after --timeout
+    save_group = world_size > 1 and dist.new_group(backend="gloo", timeout=timedelta(seconds=args.save_timeout))
     env_rank, _, env_world = launched_rank()
     if (rank, world_size) != (env_rank, env_world):  # the samplers took their rows from the environment
         raise RuntimeError(f"RANK, WORLD_SIZE = {env_rank}, {env_world} but the process group has {rank}, {world_size}")
@@ -287,7 +294,7 @@ def check_same_on_every_rank(args, world_size):
             changed = [f"--{key} {ours[key]} vs {theirs[key]}" if what == "arguments" else key
                        for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key)]
             raise UsageError(f"ranks {differ} run other {what} than rank 0 (rank 0 vs rank {differ[0]}: "
-                             f"{', '.join(changed)}); launch every rank with the same files and flags")
+                             f"{', '.join(changed)}); launch every rank with the same files, flags and `latest`")
 
 
 class StopRequest:
