@@ -2055,8 +2055,7 @@ def _memory_after_a_step(replicate):
     tensors = [p for p in fsdp.shards] + [p.grad for p in fsdp.shards]
     tensors += [t for state in optimizer.state.values() for t in state.values() if t.dim() > 0]
     flats = fsdp.flats
-    shard_storages = {shard.untyped_storage().data_ptr() for shard in fsdp.shards}
-    views = all(param.untyped_storage().data_ptr() in shard_storages for param in model.parameters())
+    views = list(fsdp.parameters()) == list(fsdp.shards) and not list(model.parameters())
     return (sum(t.numel() * t.element_size() for t in tensors), gpt.GPT(config).num_params(),
             sum(flat.padding for flat in flats), len(flats), sum(flat.is_gathered() for flat in flats), views)
 
@@ -2073,7 +2072,7 @@ def test_fsdp_memory_is_one_nth(world_size, replicate):
         assert held * shards == 16 * (total + padding)
         assert padding <= (shards - 1) * flats  # each flat parameter pads to a multiple of the shard group's size
         assert padding > 0 or world_size != 3
-        assert gathered == 0 and original  # no full copy kept; the model's parameters are views into the shards
+        assert gathered == 0 and original  # no full copy kept; the shards are the only parameters
 
 
 def _local_parameters_by_name():
@@ -2081,23 +2080,18 @@ def _local_parameters_by_name():
     model, fsdp, _ = _build(config)
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))  # the same rows on every rank
     fsdp(x, x).backward()
-    local = dict(model.named_parameters())
-    # One view: the wrapper's parameters and state are the wrapped module's pieces, under the same names
-    everything, state = dict(fsdp.named_parameters(remove_duplicate=False)), fsdp.state_dict()
-    assert dict(fsdp.named_parameters()) == {f"module.{name}": param for name, param in local.items()}
-    assert state.keys() == everything.keys()
-    assert all(state[name].data_ptr() == param.data_ptr() and state[name].shape == param.shape
-               for name, param in everything.items())
-    parts = map(checkpoint.Part._make, fsdp.parts())
-    ranges = {part.name: part.flat for part in parts}  # which elements of the full tensor this rank holds
-    return {name: (ranges.get(name, (0, 0)), param.detach().numpy().copy(), param.grad.numpy().copy())
-            for name, param in local.items()}
+    # One view: the wrapped modules keep no parameter of their own; the wrapper's are the shards, each parameter a span
+    assert not list(model.parameters()) and list(fsdp.parameters()) == list(fsdp.shards)
+    ranges = {part.name: part.flat for part in map(checkpoint.Part._make, fsdp.parts())}  # its elements held here
+    gradients = dict(fsdp.gradients())
+    return {param.name: (ranges.get(param.name, (0, 0)), flat.shard.detach()[param.span].numpy().copy(),
+                         gradients[param.name].numpy().copy()) for flat in fsdp.flats for param in flat.params}
 
 
 def test_fsdp_parameters_stay_reachable_by_name():
-    """After backward, each name of the wrapped model gives this rank's piece of that parameter and of its gradient
-    (1-D views into the shard, some empty); together the ranks' pieces are train_single's weights and gradients.
-    The wrapper shows that one view: its named_parameters() and state_dict() are those pieces, by the same names."""
+    """After backward, each parameter's span of this rank's shard and of its gradient (parts() and gradients(), as
+    checkpoints and train_2d.py's clip read them; some empty) is its piece: together the ranks' pieces are
+    train_single's weights and gradients. The wrapped modules register nothing of their own: one view of each."""
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     reference = gpt.GPT(config)
     reference.init_weights(seed=5)
@@ -2263,6 +2257,35 @@ def test_fsdp_prefetches_one_unit_ahead(compile):
         assert last["gather", block - 1] < position["reduce_scatter", block], events
         if block + 1 < units:
             assert position["reduce_scatter", block + 1] < last["gather", block - 1], events
+
+
+def _concatenations_in_backward(compute_dtype):
+    """The aten.cat outputs of one backward, as (elements, dtype): of train_single's model, then of the same model
+    under our FSDP in compute_dtype; and the elements of each of FSDP's gathered flat parameters."""
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    reference = gpt.GPT(config)
+    reference.init_weights(seed=5)
+    _, fsdp, _ = _build(config)
+    fsdp.compute_dtype = compute_dtype
+    concatenated = []
+    for model in (reference, fsdp):
+        loss = model(x, x)
+        with RecordOutputs() as recorded:
+            loss.backward()
+        concatenated.append([(t.numel(), str(t.dtype)) for op, t in recorded.outputs if op == torch.ops.aten.cat.default])
+    return concatenated, [flat.shard_size * flat.world for flat in fsdp.flats]
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_fsdp_backward_concatenates_no_gradients(compute_dtype):
+    """Each unit's gradients reach the reduce-scatter through one output of an autograd function apiece and are
+    copied (and cast) into one float32 buffer (FSDP2's copy-in): FSDP's backward runs no concatenation beyond what
+    the model's own backward runs, where autograd's cat of the views' gradients into a whole flat parameter's (and
+    in bfloat16 its float32 copy) made the peak 8 bytes an element where the plan counts 6."""
+    for (single, ours), flat_sizes in run_distributed(2, _concatenations_in_backward, compute_dtype):
+        print(f"aten.cat in backward: train_single {single}, FSDP {ours}; flat parameters {flat_sizes}")
+        assert ours == single and not {elements for elements, _ in ours} & set(flat_sizes)
 
 
 def test_fsdp_bfloat16_close_to_float32(corpus, shared_tmp, tmp_path_factory):
