@@ -22,12 +22,12 @@ import gpt
 
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the name before torch 2.13
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-FlatMember = namedtuple("FlatMember", "name shape uses span")  # uses: every (module, attribute) holding it
+# uses: every (module, attribute) holding it; span: where it lies in the shard; piece: which of its elements those are
+FlatMember = namedtuple("FlatMember", "name shape uses span piece")
 
 
 def shard_layout(sizes, world, rank):
-    """Where parameters of `sizes` elements, end to end and padded to a multiple of `world`, fall in `rank`'s shard:
-    (shard size, padding, [(span in the shard, the [begin, end) of the parameter's elements it holds)])."""
+    """(shard size, padding, [(span in `rank`'s shard, [begin, end) of the parameter's elements there)]) of `sizes`."""
     shard_size = -(-sum(sizes) // world)  # rounded up
     first, offset, spans = rank * shard_size, 0, []  # this rank's first element; the next parameter's
     for size in sizes:
@@ -39,9 +39,8 @@ def shard_layout(sizes, world, rank):
 
 
 def host_memory(sizes):
-    """One host allocation cut into tensors of `sizes` elements: pinned where CUDA is (a copy to or from the device
-    need not wait) by registering it with the driver, which torch's caching host allocator never sees: it would round
-    the block up to a power of two and keep it cached. On CPU plain memory, through the same code."""
+    """One host arena cut into tensors of `sizes` elements, pinned where CUDA is by registering it with the driver:
+    torch's caching host allocator would round it up to a power of two and keep it. On CPU plain memory, same code."""
     memory = torch.empty(sum(sizes))
     if torch.cuda.is_available() and memory.numel():
         torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.nbytes, 0)
@@ -49,37 +48,32 @@ def host_memory(sizes):
 
 
 class FlatParameter:
-    """One unit's parameters of one kind end to end, padded to a multiple of N: this rank keeps 1/N, `shard` (float32
-    master weights), of which a parameter is a span; `full` is the whole, in the compute dtype, its storage allocated
-    for each all-gather and freed after use, as FSDP does (autograd's saved views point into it again once the next
-    gather has refilled it). Built in three steps: the layout (here), materialise, take_over."""
+    """One unit's parameters of one kind end to end, padded to a multiple of N: this rank keeps 1/N, `shard` (float32).
+    `full`, the whole in the compute dtype, has storage from each all-gather to its use's end (autograd's saved views
+    see it again once refilled). Built in three steps: the layout (shard_layout), materialise, take_over."""
     def __init__(self, entries, wrapper):
         self.wrapper, self.world, self.full, self.gathering = wrapper, dist.get_world_size(wrapper.group), None, None
         self.shard_size, self.padding, spans = shard_layout([param.numel() for _, param, _ in entries], self.world,
                                                             dist.get_rank(wrapper.group))
-        self.params = [FlatMember(name, p.shape, uses, span) for (name, p, uses), (span, _) in zip(entries, spans)]
-        self.pieces = [piece for _, piece in spans]  # which elements of each parameter this rank holds
+        self.params = [FlatMember(name, p.shape, uses, *where) for (name, p, uses), where in zip(entries, spans)]
         self.decay, self.requires_grad = entries[0][1].dim() >= 2, entries[0][1].requires_grad  # one kind a buffer
 
     def materialise(self, shard, initial_value, tp_boxes):
-        """Deferred init into `shard`'s memory: one piece of one parameter at a time, never a whole buffer. Returns
-        checkpoint.Part's fields of each piece: (name, full shape, box, [begin, end) of the box, shard, start)."""
+        """Deferred init into `shard`, a piece at a time; checkpoint.Part's fields of each piece this rank holds."""
         self.shard, parts = nn.Parameter(shard.zero_(), self.requires_grad), []  # the padding stays zero
-        for param, piece in zip(self.params, self.pieces):
-            if piece[0] < piece[1]:
+        for param in self.params:
+            if param.piece[0] < param.piece[1]:
                 shape, box = tp_boxes.get(param.name, (param.shape, [(0, n) for n in param.shape]))
-                self.shard.detach()[param.span] = initial_value(param.name, shape, box, piece)
-                parts.append((param.name, shape, box, piece, self.shard, param.span.start))
+                self.shard.detach()[param.span] = initial_value(param.name, shape, box, param.piece)
+                parts.append((param.name, shape, box, param.piece, self.shard, param.span.start))
         return parts
 
-    def take_over(self):
-        """The modules give up their parameters: between its unit's gathers a parameter is its span of `shard` alone."""
+    def take_over(self):  # the modules give up their parameters: between gathers, each is its span of `shard` alone
         for param in self.params:
             for module, attribute in param.uses:
                 del module._parameters[attribute]
 
-    def views(self, full):
-        """Each parameter's view of a whole flat buffer, in its shape; the padding at the end left out."""
+    def views(self, full):  # each parameter's view of a whole flat buffer, in its shape; the padding left out
         pieces = full.split([param.shape.numel() for param in self.params] + [self.padding])
         return [piece.view(param.shape) for piece, param in zip(pieces, self.params)]
 
@@ -87,20 +81,17 @@ class FlatParameter:
         return self.full is not None and self.full.untyped_storage().nbytes() > 0
 
     def start_gather(self):
-        """The shard's copy to the device (--cpu_offload), its cast and the all-gather, on the gather stream once it
-        has waited for the compute stream's work so far (the last reader of `full`'s storage); the compute stream
-        waits for the gather's end (wait_gather). On CPU there are no streams: the same code."""
+        """Copy (--cpu_offload), cast, all-gather on the gather stream, after the compute stream's work so far."""
         if not self.is_gathered():
-            stream = self.wrapper.gather_stream
-            if self.full is None:
-                self.full = torch.empty(self.shard_size * self.world, dtype=self.wrapper.compute_dtype,
-                                        device=self.wrapper.device)
+            wrapper, stream = self.wrapper, self.wrapper.gather_stream
+            self.full = self.full if self.full is not None else torch.empty(
+                self.shard_size * self.world, dtype=wrapper.compute_dtype, device=wrapper.device)
             self.full.untyped_storage().resize_(self.full.nbytes)
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # None: no stream, as on CPU
+            with torch.cuda.stream(stream):  # None (CPU): no stream. The compute stream waits for it in wait_gather
                 sent = self.shard.detach().to(self.full.device, non_blocking=True).to(self.full.dtype)  # bf16: half
-                self.gathering = (all_gather_single(self.full, sent, group=self.wrapper.group, async_op=True), sent)
+                self.gathering = (all_gather_single(self.full, sent, group=wrapper.group, async_op=True), sent)
 
     def wait_gather(self):
         self.start_gather()
@@ -110,7 +101,7 @@ class FlatParameter:
 
     def use_views(self):
         """Each parameter's uses (the module's __dict__, which attribute lookup reads) get its view of `full`. .data: a
-        version counter the all-gathers' writes leave alone: refilling the same weights changes nothing autograd saved."""
+        version counter the gathers' writes leave alone: refilling the same weights changes nothing autograd saved."""
         for param, view in zip(self.params, Unsharded.apply(self.shard, self.full.data, self)):
             for module, attribute in param.uses:
                 module.__dict__[attribute] = view
@@ -125,9 +116,8 @@ class FlatParameter:
 
 
 class Unsharded(torch.autograd.Function):
-    """The unit's parameters as views of `full`, one output each, hanging from the shard in the graph: autograd sums
-    each parameter's gradient on its own (a tied one's two uses) and calls backward once, with all of them, which are
-    copied into one flat reduce-scatter buffer (FSDP2's copy-in), never concatenated by autograd."""
+    """The parameters' views of `full`, one output each, hanging from the shard: autograd sums each one's gradient and
+    calls backward once with all, which reduce_scatter copies into one flat buffer (FSDP2's copy-in), no cat."""
     @staticmethod
     def forward(ctx, shard, full, flat):
         ctx.flat = flat
@@ -142,8 +132,8 @@ class Unsharded(torch.autograd.Function):
 
 
 def unit_modules(module, units=None):
-    """Each unit's modules, in the order their forwards run. gpt.GPT's as FSDP2 and torchtitan lay them out: the
-    embeddings, each block, the final norm with the LM head. Another module: itself (what no unit holds), `units`."""
+    """Each unit's modules in the order their forwards run: gpt.GPT's as FSDP2 and torchtitan lay them out (the
+    embeddings, each block, the final norm with the LM head); another module's, itself (what no unit holds), `units`."""
     if units is None and isinstance(module, gpt.GPT):
         embeddings = [module.wte] + ([module.wpe] if module.wpe is not None else [])
         return [embeddings] + [[block] for block in module.blocks] + [[module.ln_f, module.lm_head]]
@@ -152,8 +142,7 @@ def unit_modules(module, units=None):
 
 def flat_parameter_groups(module, units=None):
     """Each unit's FlatParameters, {kind: [(name, parameter, its (module, attribute) uses)]}; plan.py reads it too. A
-    tied parameter lives in the first unit that uses it (wte's weight, in the embeddings' unit), which then stays
-    gathered from its forward to its backward: the later unit (the LM head's) finds it there."""
+    tied parameter lives in the first unit using it (wte's, in the embeddings'), kept gathered for the later one."""
     holders = unit_modules(module, units)
     owner = {sub: index for index, unit in enumerate(holders) for top in unit for sub in top.modules()}  # innermost
     uses = {}  # parameter -> every (module, attribute) holding it: a tied weight has two
@@ -167,60 +156,51 @@ def flat_parameter_groups(module, units=None):
     return groups
 
 
-def current_value(params, name, shape, box, flat):  # a module not on meta: the values its parameter has
-    if params[name].is_meta:
-        raise ValueError(f"parameter {name} is on meta: pass initial_value to say what it starts as")
-    return params[name].detach().reshape(-1)[flat[0]:flat[1]]
-
-
 class FullyShardedDataParallel(nn.Module):
-    """ZeRO-3 on any nn.Module: each unit (unit_modules) gathered one at a time to compute in `compute_dtype`,
-    prefetching the next; shards, AdamW and gradient reduction float32 (cpu_offload: on the host). initial_value(name,
-    shape, box, flat), as training.initial_values: elements [flat[0], flat[1]) of full[box]. tp_boxes {name: (full
-    shape, box)}: train_2d.py's slices. replicate_group (HSDP): this rank's place in process_group's other copies,
-    over which each gradient shard is averaged too. Its parameters are the shards; parts() and gradients() name spans."""
+    """ZeRO-3 on any nn.Module: each unit (unit_modules) gathered to compute in `compute_dtype`, prefetching the next;
+    shards, AdamW, gradient reduction float32 (cpu_offload: on the host). initial_value as training.initial_values';
+    tp_boxes: train_2d.py's; replicate_group: HSDP's. Its parameters are the shards; parts(), gradients(): spans."""
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None,
                  cpu_offload=False):
         super().__init__()
         self.module, self.device, self.compute_dtype = module, torch.device(device), compute_dtype
+        self.reshard_after_forward = reshard_after_forward
         self.group, self.replicate_group = process_group or dist.group.WORLD, replicate_group
         self.gather_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        initial_value = initial_value or partial(current_value, dict(module.named_parameters()))
+        params = dict(module.named_parameters())  # without initial_value: the values they have, if not on meta
+        if initial_value is None and any(param.is_meta for param in params.values()):
+            raise ValueError("the module is on meta: pass initial_value to say what its parameters start as")
+        initial_value = initial_value or (lambda name, _, __, flat: params[name].detach().reshape(-1)[slice(*flat)])
         holders = unit_modules(module, units)
         self.units = [[FlatParameter(entries, self) for entries in kinds.values()]
                       for kinds in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
         sizes = [flat.shard_size for flat in self.flats]  # --cpu_offload: one host arena of shards, one of gradients
         shards = host_memory(sizes) if cpu_offload else [torch.empty(n, device=device) for n in sizes]
+        host_grads = host_memory(sizes) if cpu_offload else [None] * len(sizes)  # where reduced gradients land
         self._parts = []
-        for flat, shard, host_grad in zip(self.flats, shards, host_memory(sizes) if cpu_offload else [None] * len(sizes)):
+        for flat, shard, flat.host_grad in zip(self.flats, shards, host_grads):
             self._parts += flat.materialise(shard, initial_value, tp_boxes or {})
-            flat.host_grad = host_grad  # where its reduced gradient lands, under --cpu_offload
-        self.shards = nn.ParameterList(flat.shard for flat in self.flats)  # the module's parameters, sharded
-        for flat in self.flats:
             flat.take_over()
-        # Kept gathered from forward to backward (plan.py counts it so): the last unit, whose backward comes next, and
-        # one holding a tied weight (two uses: gpt.GPT's embeddings, whose weight is the LM head's)
+        self.shards = nn.ParameterList(flat.shard for flat in self.flats)  # the module's parameters, sharded
+        # Kept gathered from forward to backward (so plan.py counts): the last unit, and one holding a tied weight (wte)
         self.keep = [index == len(holders) - 1 or any(len(param.uses) > 1 for flat in unit for param in flat.params)
                      for index, unit in enumerate(self.units)]
-        self.reshard_after_forward = reshard_after_forward
         for index, modules in enumerate(holders):  # a unit of several modules starts with its first, ends with its last
-            modules[0].register_forward_pre_hook(partial(self._before_forward, index))
+            modules[0].register_forward_pre_hook(partial(self.gather, index, +1))
             modules[-1].register_forward_hook(partial(self._after_forward, index))
-        # the latest reduce-scatter and (HSDP) average over the copies, each finished as the next one starts or
-        # backward ends; whether this backward has begun
+        # the latest reduce-scatter, and (HSDP) average over the copies, finished as the next starts or backward ends
         self.in_flight, self.averaging, self.backward_begun = None, None, False
 
     def forward(self, *args, **kwargs):
         output = self.module(*args, **kwargs)
-        if not torch.is_grad_enabled():  # evaluation: the units kept for backward go too
-            for flat in self.flats:
-                flat.free()
+        for flat in self.flats if not torch.is_grad_enabled() else []:  # evaluation: the units kept for backward too
+            flat.free()
         return output
 
-    def gather(self, index, direction):
-        """Gather unit `index` for its modules; the next one's gather (forward +1, backward -1) starts first."""
+    @torch.compiler.disable  # --compile: the model compiles between the units' hooks, which run as written
+    def gather(self, index, direction, *hook):  # unit `index`, once the next one's (forward +1, backward -1) started
         following = index + direction  # the units run in the order they are listed; the first and last prefetch none
         for flat in self.units[index] + (self.units[following] if 0 <= following < len(self.units) else []):
             flat.start_gather()
@@ -229,20 +209,13 @@ class FullyShardedDataParallel(nn.Module):
                 flat.wait_gather()
                 flat.use_views()
 
-    @torch.compiler.disable  # --compile: the model compiles between the units' hooks, which run as written
-    def _before_forward(self, index, module, args):
-        self.gather(index, +1)
-
     @torch.compiler.disable
     def _after_forward(self, index, module, args, output):
         if not self.keep[index] and (self.reshard_after_forward or not torch.is_grad_enabled()):
             for flat in self.units[index]:
                 flat.free()
-        # The unit's backward begins once the first of its outputs' gradients is in (the embeddings': wpe's comes with
-        # wte's): hooked on those tensors, as FSDP2 does (a module's full backward pre-hook would warn on wte, whose
-        # input, token ids, needs no gradient).
-        outputs = [out for out in (output if isinstance(output, (tuple, list)) else [output])
-                   if isinstance(out, torch.Tensor) and out.requires_grad]
+        # Its backward begins with the first of its outputs' gradients, hooked as FSDP2 does (wpe's comes with wte's)
+        outputs = [out for out in torch.utils._pytree.tree_leaves(output) if getattr(out, "requires_grad", False)]
         if outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, partial(self._before_backward, index), mode="any")
 
@@ -260,11 +233,9 @@ class FullyShardedDataParallel(nn.Module):
             flat.free()
 
     def reduce_scatter(self, flat, grads):
-        """Copy (and cast) the unit's gradients into one float32 buffer laid out as `full` (FSDP2's copy-in; averaged
-        in float32: a sum of N bf16 gradients would lose their low bits); average it into this rank's piece once the
-        previous one has landed."""
-        self.finish_reduce_scatter()
-        buffer = torch.empty(flat.shard_size * flat.world, device=self.device)
+        """Copy (cast) the gradients into one float32 buffer laid out as `full`; average it into this rank's piece."""
+        self.finish_reduce_scatter()  # the previous unit's first
+        buffer = torch.empty(flat.shard_size * flat.world, device=self.device)  # float32: bf16 sums lose low bits
         views = flat.views(buffer)
         torch._foreach_copy_(*zip(*[(view, grad) for view, grad in zip(views, grads) if grad is not None]))
         for view in [view for view, grad in zip(views, grads) if grad is None] + [buffer[len(buffer) - flat.padding:]]:
@@ -292,27 +263,20 @@ class FullyShardedDataParallel(nn.Module):
             self.averaging = None
             self.accumulate(flat, piece)
 
-    def accumulate(self, flat, piece):
-        """The shard's gradient, summed over micro-steps; --cpu_offload: in its place in the host arena, where AdamW
-        steps (the host waits for the copy: it reads them next)."""
-        if flat.shard.grad is None:
-            flat.shard.grad = piece if flat.host_grad is None else flat.host_grad.copy_(piece)
-        else:
-            flat.shard.grad.add_(piece.to(flat.shard.grad.device))
+    def accumulate(self, flat, piece):  # over micro-steps; --cpu_offload: into the host arena (AdamW reads it next)
+        if flat.shard.grad is not None:
+            return flat.shard.grad.add_(piece.to(flat.shard.grad.device))
+        flat.shard.grad = piece if flat.host_grad is None else flat.host_grad.copy_(piece)
 
-    def parameter_groups(self):
-        """(with weight decay, without): the trainable shards, for training.make_optimizer."""
+    def parameter_groups(self):  # (with weight decay, without): the trainable shards, for training.make_optimizer
         trained = [flat for flat in self.flats if flat.shard.requires_grad]
         return [f.shard for f in trained if f.decay], [f.shard for f in trained if not f.decay]
 
     def gradients(self):  # (name, this rank's span of its gradient) of each parameter whose shard has one
-        return [(param.name, flat.shard.grad[param.span]) for flat in self.flats if flat.shard.grad is not None
-                for param in flat.params]
+        return [(p.name, f.shard.grad[p.span]) for f in self.flats if f.shard.grad is not None for p in f.params]
 
     def clip_grad_norm_(self, max_norm, counted=None, group=None):
-        """The whole model's gradient norm: the shards are disjoint parts of it (padding's gradient is zero; HSDP's
-        copies of the shard group hold the same), summed over `group` (default the shard group). counted(name):
-        whether this rank counts that parameter (train_2d.py: a replicated one on one tensor-parallel rank)."""
+        """The model's gradient norm, summed over `group`, of the parameters this rank counts (default: all)."""
         grads = [grad for name, grad in self.gradients() if counted is None or counted(name)]
         norms = torch._foreach_norm(grads)  # each rank's threads, and no squared copy of any gradient
         total = (torch.stack(norms).square().sum() if norms else torch.zeros(())).to(self.device)
@@ -321,13 +285,13 @@ class FullyShardedDataParallel(nn.Module):
         nn.utils.clip_grads_with_norm_(list(self.shards), max_norm, norm)
         return norm
 
-    def parts(self):
+    def parts(self):  # checkpoint.Part's fields of every piece this rank holds
         return self._parts
 
 
 def hybrid_groups(replicate):
-    """HSDP's groups of this rank: (its shard group, world / replicate consecutive ranks, a node; its replicate group,
-    the ranks at its place in every shard group). dist.new_group is collective: every rank creates every group."""
+    """This rank's (shard group: world / replicate consecutive ranks, a node; replicate group: the ranks at its place
+    in every shard group). dist.new_group is collective: every rank creates every group."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shards = world // replicate
     shard_groups = [dist.new_group(list(range(r * shards, (r + 1) * shards))) for r in range(replicate)]
@@ -342,12 +306,9 @@ def main(argv=None):
     parser = training.get_parser(__doc__, "fsdp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
-    parser.add_argument("--no_deferred_init", action="store_true",
-                        help="build the whole model first (default: on meta; each rank initialises only its shards)")
-    parser.add_argument("--cpu_offload", action="store_true",
-                        help="keep the float32 shards, their gradients and AdamW on the host; AdamW steps there")
-    parser.add_argument("--replicate", type=training.positive_int, default=1,
-                        help="HSDP: shard over world / R consecutive ranks (a node), replicate over the R groups")
+    parser.add_argument("--no_deferred_init", action="store_true", help="build the whole model first, not on meta")
+    parser.add_argument("--cpu_offload", action="store_true", help="float32 shards, gradients, AdamW on the host")
+    parser.add_argument("--replicate", type=training.positive_int, default=1, help="HSDP: R copies of the shards")
     args = parser.parse_args(argv)
 
     # ---- process groups: every rank is one data-parallel rank holding 1/world of the model (HSDP: 1/shards)
@@ -388,8 +349,7 @@ def main(argv=None):
             model, process_group=shard_group, device=device, compute_dtype=getattr(torch, args.dtype),
             reshard_after_forward=not args.no_reshard, initial_value=value, replicate_group=replicate_group,
             cpu_offload=args.cpu_offload)
-        groups = model.parameter_groups()
-        clip_grad_norm = model.clip_grad_norm_
+        groups, clip_grad_norm = model.parameter_groups(), model.clip_grad_norm_
         parts = [checkpoint.Part(*where) for where in model.parts()]
     optimizer = training.make_optimizer(groups, args, device)
     forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
