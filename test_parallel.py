@@ -2075,6 +2075,35 @@ def test_fsdp_memory_is_one_nth(world_size, replicate):
         assert gathered == 0 and original  # no full copy kept; the shards are the only parameters
 
 
+def _host_memory_and_clip_temporaries():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    model, fsdp, _ = _build(config, cpu_offload=True)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    fsdp(x, x).backward()
+    grads = [shard.grad for shard in fsdp.shards]
+    with RecordOutputs() as recorded:
+        fsdp.clip_grad_norm_(0.1)  # clips: every gradient scaled in place
+    in_place = {grad.untyped_storage().data_ptr() for grad in grads}  # the gradients, their spans (views)
+    norms = len(fsdp.gradients())  # one a parameter's span, stacked
+    temporaries = [(str(op), t.numel()) for op, t in recorded.outputs
+                   if t.numel() > norms and t.untyped_storage().data_ptr() not in in_place]
+    storages = [{t.untyped_storage().data_ptr() for t in tensors} for tensors in (fsdp.shards, grads)]
+    sizes = [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+             for tensors in (fsdp.shards, grads)]
+    return storages, sizes, 4 * sum(flat.shard_size for flat in fsdp.flats), temporaries
+
+
+def test_fsdp_cpu_offload_holds_one_arena_of_shards_and_one_of_gradients_and_clips_without_copies():
+    """--cpu_offload: every shard is a slice of one host allocation a rank and every gradient of another, each
+    exactly the shards' bytes (pinned by registration where CUDA is: torch's caching host allocator, which rounds each
+    block up to a power of two and keeps it, never sees them). The gradient norm and the clip (torch._foreach_norm,
+    clip_grads_with_norm_) make no tensor larger than their one norm a parameter besides the gradients they scale in
+    place: no squared copy of a gradient."""
+    for storages, sizes, shard_bytes, temporaries in run_distributed(2, _host_memory_and_clip_temporaries):
+        assert [len(storage) for storage in storages] == [1, 1] and sizes == [shard_bytes, shard_bytes]
+        assert temporaries == [], temporaries
+
+
 def _local_parameters_by_name():
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     model, fsdp, _ = _build(config)
