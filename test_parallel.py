@@ -5844,8 +5844,9 @@ def _replicated_by_step(main, argv):
         main(argv)
     finally:
         training.wrap_blocks = real_wrap_blocks
-    replicated = {name: param.detach().numpy().copy() for name, param in models[0].named_parameters()
-                  if not train_tp.is_sliced(name)}
+    named = (models[0].named_parameters() if not hasattr(models[0], "parts") else  # our FSDP: its spans of the shards
+             [(part.name, part.local()) for part in map(checkpoint.Part._make, models[0].parts())])
+    replicated = {name: param.detach().numpy().copy() for name, param in named if not train_tp.is_sliced(name)}
     return outputs, replicated
 
 
