@@ -2288,6 +2288,41 @@ def test_fsdp_prefetches_one_unit_ahead(compile):
             assert position["reduce_scatter", block + 1] < last["gather", block - 1], events
 
 
+def _hsdp_averages_in_order():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    shard_group, replicate_group = train_fsdp.hybrid_groups(2)
+    model, fsdp, _ = _build(config, process_group=shard_group, replicate_group=replicate_group)
+    events, real_all_reduce, real_reduce_scatter = [], dist.all_reduce, fsdp.reduce_scatter
+
+    def all_reduce(tensor, *args, group=None, async_op=False, **kwargs):
+        if group is replicate_group:
+            events.append(("average", async_op))
+        return real_all_reduce(tensor, *args, group=group, async_op=async_op, **kwargs)
+
+    def reduce_scatter(flat, grads):
+        events.append(("reduce_scatter", None))
+        return real_reduce_scatter(flat, grads)
+
+    x = torch.randint(0, 256, (2, 32))
+    dist.all_reduce, fsdp.reduce_scatter = all_reduce, reduce_scatter
+    try:
+        fsdp(x, x).backward()
+    finally:
+        dist.all_reduce = real_all_reduce  # a launched world runs the next tests in this process
+    return events, all(shard.grad is not None for shard in fsdp.shards)
+
+
+def test_hsdp_averages_each_gradient_shard_while_backward_goes_on():
+    """HSDP (2 copies of 2 shards): each unit's gradient shard is averaged over its copies by an asynchronous
+    all-reduce, started once its reduce-scatter has landed (when the next unit's gradients are in) and waited for
+    when the one after that's are, so it runs beside a unit's backward; every one has landed when backward returns."""
+    for events, landed in run_distributed(4, _hsdp_averages_in_order):
+        kinds = [kind for kind, _ in events]
+        assert {async_op for kind, async_op in events if kind == "average"} == {True}, events
+        assert kinds.count("average") == kinds.count("reduce_scatter") == len(kinds) // 2 and landed
+        assert kinds[:4] == ["reduce_scatter", "reduce_scatter", "average", "reduce_scatter"], kinds
+
+
 def _concatenations_in_backward(compute_dtype):
     """The aten.cat outputs of one backward, as (elements, dtype): of train_single's model, then of the same model
     under our FSDP in compute_dtype; and the elements of each of FSDP's gathered flat parameters."""
