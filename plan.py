@@ -84,15 +84,16 @@ def local_sizes(config, tp=1, sliced=None):
 
 
 def flat_sizes(config, tp=1, sliced=None, units=None):
-    """[[elements of each FlatParameter] for each FSDP unit, the root first]: units(model) groups the parameters as
-    FSDP does; each FlatParameter holds this tensor-parallel rank's part of its group, before padding."""
+    """[([elements of each FlatParameter], whether it stays gathered from forward to backward) for each FSDP unit, in
+    the order their forwards run]: units(model) groups the parameters as FSDP does; each FlatParameter holds this
+    tensor-parallel rank's part of its group, before padding. Kept, as train_fsdp.FullyShardedDataParallel.keep: the
+    last unit, whose backward comes next, and one holding a tied weight (a parameter with two uses)."""
     if units is None:
         raise ValueError("an FSDP layout needs the strategy's own units: pass units=train_fsdp.flat_parameter_groups")
-    sizes = local_sizes(config, tp, sliced)
-    flats = []
-    for kinds in units(model_on_meta(config)):
-        flats.append([sum(sizes[name] for name, _, _ in group) for group in kinds.values()])
-    return flats
+    sizes, groups = local_sizes(config, tp, sliced), units(model_on_meta(config))
+    return [([sum(sizes[name] for name, _, _ in group) for group in kinds.values()],
+             index == len(groups) - 1 or any(len(uses) > 1 for group in kinds.values() for _, _, uses in group))
+            for index, kinds in enumerate(groups)]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -100,17 +101,17 @@ def flat_sizes(config, tp=1, sliced=None, units=None):
 
 
 def parameter_plan(config, layout, sliced=None, units=None):
-    """(elements of parameters this rank keeps, tensors its optimizer steps, elements of the largest gathered block
-    unit and of the gathered root unit (FSDP), elements autocast copies to bfloat16 (the matmuls' weights and
-    biases))."""
+    """(elements of parameters this rank keeps, tensors its optimizer steps, [(elements of each gathered unit, whether
+    it stays gathered from forward to backward)] (FSDP), elements autocast copies to bfloat16 (the matmuls' weights
+    and biases))."""
     sizes = local_sizes(config, layout.tp, sliced)
     cast = sum(n for name, n in sizes.items() if is_matmul_weight(name, config))
     if layout.strategy not in ("fsdp", "2d"):
-        return sum(sizes.values()), len(sizes), 0, 0, cast
+        return sum(sizes.values()), len(sizes), [], cast
     ranks = layout.dp // layout.replicate  # the ranks one flat parameter is sharded over
-    shards = [[-(-n // ranks) for n in unit] for unit in flat_sizes(config, layout.tp, sliced, units)]
-    gathered = [sum(unit) * ranks for unit in shards]  # each shard padded to the same length
-    return sum(map(sum, shards)), sum(map(len, shards)), max(gathered[1:]), gathered[0], 0
+    shards = [([-(-n // ranks) for n in unit], kept) for unit, kept in flat_sizes(config, layout.tp, sliced, units)]
+    gathered = [(sum(unit) * ranks, kept) for unit, kept in shards]  # each shard padded to the same length
+    return sum(sum(unit) for unit, _ in shards), sum(len(unit) for unit, _ in shards), gathered, 0
 
 
 def zero_buckets(config, layout, buckets):
@@ -210,9 +211,10 @@ def model_states(params, tensors):
 
 
 def host_plan(config, layout, units=None, sliced=None):
-    """[(item, bytes)] one rank keeps in host memory under --cpu_offload (pinned: the copies to and from the device
-    run asynchronously): its FSDP shards, their gradients and AdamW's state, which steps there."""
-    params, tensors, _, _, _ = parameter_plan(config, layout, sliced, units)
+    """[(item, bytes)] one rank keeps in host memory under --cpu_offload: its FSDP shards and their gradients, pinned
+    (one arena each, registered with the driver: the copies to and from the device need not wait, and nothing is
+    rounded up), and AdamW's state, which steps there, pageable (AdamW allocates it)."""
+    params, tensors, _, _ = parameter_plan(config, layout, sliced, units)
     return model_states(params, tensors)
 
 
@@ -223,7 +225,10 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
     holds the activations of s / cp tokens (context_parallel_plan)."""
     if layout.cp > 1:
         return context_parallel_plan(config, layout)
-    params, tensors, unit, root, cast = parameter_plan(config, layout, sliced, units)
+    params, tensors, gathered, cast = parameter_plan(config, layout, sliced, units)
+    largest = max((n for n, _ in gathered), default=0)  # FSDP: the largest unit, and the largest gathered for each use
+    others = [n for n, kept in gathered if not kept]  # gathered for each use, the one computing with the next one
+    moving = max([a + b for a, b in zip(others, others[1:])] or others or [0])
     activations, recompute = activation_plan(config, layout)
     e = 2 if layout.dtype == "bfloat16" else 4
     fsdp = layout.strategy in ("fsdp", "2d")
@@ -231,7 +236,7 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
         layout.tp if layout.tp > 1 and layout.loss_parallel else 1)
     rows = model_states(params, tensors)
     if fsdp and layout.cpu_offload:  # the model states are in host memory (host_plan); shards visit the device
-        shard = max(root, unit) // (layout.dp // layout.replicate)
+        shard = largest // (layout.dp // layout.replicate)
         rows = [("float32 shards copied in to be all-gathered: a unit's, the next one's", 2 * 4 * shard),
                 ("a float32 gradient shard, reduce-scattered, before its copy out", 4 * shard)]
     if layout.strategy == "zero":
@@ -246,10 +251,12 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
     if recompute:
         rows.append(("one block recomputed in backward (--activation_checkpointing)", recompute))
     if fsdp:
-        units = config.n_layer if not layout.reshard else 2  # the one computing and the one prefetched
-        rows.append((f"gathered weights: the root and {units} block units ({layout.dtype})", e * (root + units * unit)))
-        rows.append(("a block unit's gradient, reduce-scattered" + " (and its float32 copy)" * (e == 2),
-                     4 * unit + (2 * unit if e == 2 else 0)))
+        kept = sum(kept for _, kept in gathered)  # the last unit, and (tied) the embeddings'
+        rows.append((f"gathered weights: {kept} unit{'s' * (kept > 1)} kept for backward, 2 others ({layout.dtype})"
+                     if layout.reshard else f"gathered weights: every unit ({layout.dtype})",
+                     e * (sum(n for n, kept in gathered if kept) + moving if layout.reshard else
+                          sum(n for n, _ in gathered))))
+        rows.append(("a unit's gradients, copied into its float32 reduce-scatter buffer", (e + 4) * largest))
     rows.append(("logits and their gradient", logits * (e + 4)))
     return rows
 
@@ -416,12 +423,13 @@ def tensor_parallel_terms(config, tokens, steps, compute, tp, backend, sequence_
 
 def fsdp_terms(config, steps, compute, tp, dp, backend, reshard, sliced, units, replicate=1):
     """[Term] of FSDP's all-gathers and reduce-scatters, one of each per FlatParameter a micro-step, and a second
-    all-gather of a block unit before its backward (the root stays gathered from forward to backward). HSDP
-    (replicate > 1) shards over dp / replicate ranks, then all-reduces each gradient shard over its `replicate` copies."""
+    all-gather of a unit before its backward (the last unit and a tied one stay gathered from forward to backward).
+    HSDP (replicate > 1) shards over dp / replicate ranks, then all-reduces each gradient shard over its `replicate`
+    copies."""
     ranks = dp // replicate
     gathers, gathered, scatters, scattered, averaged = 0, 0, 0, 0, 0
-    for index, unit in enumerate(flat_sizes(config, tp, sliced, units)):
-        times = 1 if index == 0 or not reshard else 2
+    for unit, kept in flat_sizes(config, tp, sliced, units):
+        times = 1 if kept or not reshard else 2
         for size in unit:
             shard = -(-size // ranks)
             gathers += times
@@ -577,9 +585,11 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
     if layout.cpu_offload and layout.strategy in ("fsdp", "2d"):
         host = host_plan(config, layout, units, sliced)
         node = min(GPUS_PER_NODE, world_size)
-        say("host memory (--cpu_offload), pinned:")
+        pinned = sum(size for item, size in host if not item.startswith("AdamW"))  # the two arenas
+        say("host memory (--cpu_offload): shards and gradients pinned, AdamW's state pageable:")
         for item, size in host + [("total, one rank", sum(size for _, size in host)),
-                                  (f"total, a node of {node} ranks", node * sum(size for _, size in host))]:
+                                  (f"total, a node of {node} ranks", node * sum(size for _, size in host)),
+                                  (f"of which pinned, a node of {node} ranks", node * pinned)]:
             say(f"  {item:66} {format_bytes(size):>11}")
     return rows
 

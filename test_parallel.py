@@ -2162,8 +2162,7 @@ def _memory_after_a_step(replicate):
     tensors = [p for p in fsdp.shards] + [p.grad for p in fsdp.shards]
     tensors += [t for state in optimizer.state.values() for t in state.values() if t.dim() > 0]
     flats = fsdp.flats
-    shard_storages = {shard.untyped_storage().data_ptr() for shard in fsdp.shards}
-    views = all(param.untyped_storage().data_ptr() in shard_storages for param in model.parameters())
+    views = list(fsdp.parameters()) == list(fsdp.shards) and not list(model.parameters())
     return (sum(t.numel() * t.element_size() for t in tensors), gpt.GPT(config).num_params(),
             sum(flat.padding for flat in flats), len(flats), sum(flat.is_gathered() for flat in flats), views)
 
@@ -2180,7 +2179,36 @@ def test_fsdp_memory_is_one_nth(world_size, replicate):
         assert held * shards == 16 * (total + padding)
         assert padding <= (shards - 1) * flats  # each flat parameter pads to a multiple of the shard group's size
         assert padding > 0 or world_size != 3
-        assert gathered == 0 and original  # no full copy kept; the model's parameters are views into the shards
+        assert gathered == 0 and original  # no full copy kept; the shards are the only parameters
+
+
+def _host_memory_and_clip_temporaries():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    model, fsdp, _ = _build(config, cpu_offload=True)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    fsdp(x, x).backward()
+    grads = [shard.grad for shard in fsdp.shards]
+    with RecordOutputs() as recorded:
+        fsdp.clip_grad_norm_(0.1)  # clips: every gradient scaled in place
+    in_place = {grad.untyped_storage().data_ptr() for grad in grads}  # the gradients, their spans (views)
+    norms = len(fsdp.gradients())  # one a parameter's span, stacked
+    temporaries = [(str(op), t.numel()) for op, t in recorded.outputs
+                   if t.numel() > norms and t.untyped_storage().data_ptr() not in in_place]
+    storages = [{t.untyped_storage().data_ptr() for t in tensors} for tensors in (fsdp.shards, grads)]
+    sizes = [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+             for tensors in (fsdp.shards, grads)]
+    return storages, sizes, 4 * sum(flat.shard_size for flat in fsdp.flats), temporaries
+
+
+def test_fsdp_cpu_offload_holds_one_arena_of_shards_and_one_of_gradients_and_clips_without_copies():
+    """--cpu_offload: every shard is a slice of one host allocation a rank and every gradient of another, each
+    exactly the shards' bytes (pinned by registration where CUDA is: torch's caching host allocator, which rounds each
+    block up to a power of two and keeps it, never sees them). The gradient norm and the clip (torch._foreach_norm,
+    clip_grads_with_norm_) make no tensor larger than their one norm a parameter besides the gradients they scale in
+    place: no squared copy of a gradient."""
+    for storages, sizes, shard_bytes, temporaries in run_distributed(2, _host_memory_and_clip_temporaries):
+        assert [len(storage) for storage in storages] == [1, 1] and sizes == [shard_bytes, shard_bytes]
+        assert temporaries == [], temporaries
 
 
 def _local_parameters_by_name():
@@ -2188,23 +2216,18 @@ def _local_parameters_by_name():
     model, fsdp, _ = _build(config)
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))  # the same rows on every rank
     fsdp(x, x).backward()
-    local = dict(model.named_parameters())
-    # One view: the wrapper's parameters and state are the wrapped module's pieces, under the same names
-    everything, state = dict(fsdp.named_parameters(remove_duplicate=False)), fsdp.state_dict()
-    assert dict(fsdp.named_parameters()) == {f"module.{name}": param for name, param in local.items()}
-    assert state.keys() == everything.keys()
-    assert all(state[name].data_ptr() == param.data_ptr() and state[name].shape == param.shape
-               for name, param in everything.items())
-    parts = map(checkpoint.Part._make, fsdp.parts())
-    ranges = {part.name: part.flat for part in parts}  # which elements of the full tensor this rank holds
-    return {name: (ranges.get(name, (0, 0)), param.detach().numpy().copy(), param.grad.numpy().copy())
-            for name, param in local.items()}
+    # One view: the wrapped modules keep no parameter of their own; the wrapper's are the shards, each parameter a span
+    assert not list(model.parameters()) and list(fsdp.parameters()) == list(fsdp.shards)
+    ranges = {part.name: part.flat for part in map(checkpoint.Part._make, fsdp.parts())}  # its elements held here
+    gradients = dict(fsdp.gradients())
+    return {param.name: (ranges.get(param.name, (0, 0)), flat.shard.detach()[param.span].numpy().copy(),
+                         gradients[param.name].numpy().copy()) for flat in fsdp.flats for param in flat.params}
 
 
 def test_fsdp_parameters_stay_reachable_by_name():
-    """After backward, each name of the wrapped model gives this rank's piece of that parameter and of its gradient
-    (1-D views into the shard, some empty); together the ranks' pieces are train_single's weights and gradients.
-    The wrapper shows that one view: its named_parameters() and state_dict() are those pieces, by the same names."""
+    """After backward, each parameter's span of this rank's shard and of its gradient (parts() and gradients(), as
+    checkpoints and train_2d.py's clip read them; some empty) is its piece: together the ranks' pieces are
+    train_single's weights and gradients. The wrapped modules register nothing of their own: one view of each."""
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     reference = gpt.GPT(config)
     reference.init_weights(seed=5)
@@ -2370,6 +2393,70 @@ def test_fsdp_prefetches_one_unit_ahead(compile):
         assert last["gather", block - 1] < position["reduce_scatter", block], events
         if block + 1 < units:
             assert position["reduce_scatter", block + 1] < last["gather", block - 1], events
+
+
+def _hsdp_averages_in_order():
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    shard_group, replicate_group = train_fsdp.hybrid_groups(2)
+    model, fsdp, _ = _build(config, process_group=shard_group, replicate_group=replicate_group)
+    events, real_all_reduce, real_reduce_scatter = [], dist.all_reduce, fsdp.reduce_scatter
+
+    def all_reduce(tensor, *args, group=None, async_op=False, **kwargs):
+        if group is replicate_group:
+            events.append(("average", async_op))
+        return real_all_reduce(tensor, *args, group=group, async_op=async_op, **kwargs)
+
+    def reduce_scatter(flat, grads):
+        events.append(("reduce_scatter", None))
+        return real_reduce_scatter(flat, grads)
+
+    x = torch.randint(0, 256, (2, 32))
+    dist.all_reduce, fsdp.reduce_scatter = all_reduce, reduce_scatter
+    try:
+        fsdp(x, x).backward()
+    finally:
+        dist.all_reduce = real_all_reduce  # a launched world runs the next tests in this process
+    return events, all(shard.grad is not None for shard in fsdp.shards)
+
+
+def test_hsdp_averages_each_gradient_shard_while_backward_goes_on():
+    """HSDP (2 copies of 2 shards): each unit's gradient shard is averaged over its copies by an asynchronous
+    all-reduce, started once its reduce-scatter has landed (when the next unit's gradients are in) and waited for
+    when the one after that's are, so it runs beside a unit's backward; every one has landed when backward returns."""
+    for events, landed in run_distributed(4, _hsdp_averages_in_order):
+        kinds = [kind for kind, _ in events]
+        assert {async_op for kind, async_op in events if kind == "average"} == {True}, events
+        assert kinds.count("average") == kinds.count("reduce_scatter") == len(kinds) // 2 and landed
+        assert kinds[:4] == ["reduce_scatter", "reduce_scatter", "average", "reduce_scatter"], kinds
+
+
+def _concatenations_in_backward(compute_dtype):
+    """The aten.cat outputs of one backward, as (elements, dtype): of train_single's model, then of the same model
+    under our FSDP in compute_dtype; and the elements of each of FSDP's gathered flat parameters."""
+    config = gpt.make_config("tiny", vocab_size=256, block_size=32)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    reference = gpt.GPT(config)
+    reference.init_weights(seed=5)
+    _, fsdp, _ = _build(config)
+    fsdp.compute_dtype = compute_dtype
+    concatenated = []
+    for model in (reference, fsdp):
+        loss = model(x, x)
+        with RecordOutputs() as recorded:
+            loss.backward()
+        concatenated.append([(t.numel(), str(t.dtype)) for op, t in recorded.outputs if op == torch.ops.aten.cat.default])
+    return concatenated, [flat.shard_size * flat.world for flat in fsdp.flats]
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_fsdp_backward_concatenates_no_gradients(compute_dtype):
+    """Each unit's gradients reach the reduce-scatter through one output of an autograd function apiece and are
+    copied (and cast) into one float32 buffer (FSDP2's copy-in): FSDP's backward runs no concatenation beyond what
+    the model's own backward runs, where autograd's cat of the views' gradients into a whole flat parameter's (and
+    in bfloat16 its float32 copy) made the peak 8 bytes an element where the plan counts 6."""
+    for (single, ours), flat_sizes in run_distributed(2, _concatenations_in_backward, compute_dtype):
+        print(f"aten.cat in backward: train_single {single}, FSDP {ours}; flat parameters {flat_sizes}")
+        assert ours == single and not {elements for elements, _ in ours} & set(flat_sizes)
 
 
 def test_fsdp_bfloat16_close_to_float32(corpus, shared_tmp, tmp_path_factory):
@@ -6357,8 +6444,9 @@ def _replicated_by_step(main, argv):
         main(argv)
     finally:
         training.wrap_blocks = real_wrap_blocks
-    replicated = {name: param.detach().numpy().copy() for name, param in models[0].named_parameters()
-                  if not train_tp.is_sliced(name)}
+    named = (models[0].named_parameters() if not hasattr(models[0], "parts") else  # our FSDP: its spans of the shards
+             [(part.name, part.local()) for part in map(checkpoint.Part._make, models[0].parts())])
+    replicated = {name: param.detach().numpy().copy() for name, param in named if not train_tp.is_sliced(name)}
     return outputs, replicated
 
 

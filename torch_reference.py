@@ -77,7 +77,8 @@ def materialise(model, config, args, device):
 
 
 def shard_units(model, mesh, args):
-    """FSDP2 on each block, then on the root: the units of our FullyShardedDataParallel."""
+    """FSDP2 on each block, then on the root, which holds the embeddings, ln_f and the LM head (ours cuts those into
+    two units, as torchtitan does for an untied head; a tied weight cannot span two of FSDP2's units)."""
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if args.cpu_offload else OffloadPolicy()
     for module in [*model.blocks, model]:

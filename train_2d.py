@@ -39,6 +39,15 @@ def new_groups(tp, dp):
     return tuple(mine)
 
 
+def allreduce_replicated_grads(fsdp, tp_group, device):
+    """Under sequence parallelism a replicated parameter (norms, wpe, row-parallel biases) saw only this rank's
+    sequence shard: sum their gradients, this rank's spans of the FSDP shards' gradients, in one flat all-reduce."""
+    grads = [grad for name, grad in fsdp.gradients() if not train_tp.is_sliced(name)]
+    flat = torch.cat(grads).to(device)  # NCCL reduces device memory only
+    dist.all_reduce(flat, group=tp_group)
+    torch._foreach_copy_(grads, flat.to(grads[0].device).split([len(grad) for grad in grads]))
+
+
 def main(argv=None):
     import checkpoint  # main() is where a script meets the shared files; everything above needs torch and gpt.py
     import training
@@ -96,7 +105,9 @@ def main(argv=None):
             reshard_after_forward=not args.no_reshard, tp_boxes={name: (p.shape, p.box) for name, p in tp_parts.items()},
             initial_value=value, cpu_offload=args.cpu_offload)
         groups, parts = model.parameter_groups(), [checkpoint.Part(*where) for where in model.parts()]
-        clip_grad_norm = partial(train_tp.clip_grad_norm_, list(model.named_parameters()), tp_group, device)
+        first = dist.get_rank(tp_group) == 0  # each element counted once: a replicated parameter on TP rank 0 alone
+        clip_grad_norm = partial(model.clip_grad_norm_, counted=lambda name: train_tp.is_sliced(name) or first,
+                                 group=dist.group.WORLD)  # the data-parallel shards are disjoint too
     optimizer = training.make_optimizer(groups, args, device)
     forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
@@ -121,7 +132,7 @@ def main(argv=None):
             loss.backward()  # each unit's gradient is reduce-scattered (averaged over DP) as its backward ends
             loss_sum += loss.detach()
         if args.sequence_parallel and parts is not None:
-            train_tp.allreduce_replicated_grads(list(model.named_parameters()), tp_group, device)
+            allreduce_replicated_grads(model, tp_group, device)
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
         diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing

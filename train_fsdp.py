@@ -22,44 +22,58 @@ import gpt
 
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the name before torch 2.13
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-FlatMember = namedtuple("FlatMember", "name shape uses local span")  # uses: every (module, attribute) holding it
+# uses: every (module, attribute) holding it; span: where it lies in the shard; piece: which of its elements those are
+FlatMember = namedtuple("FlatMember", "name shape uses span piece")
+
+
+def shard_layout(sizes, world, rank):
+    """(shard size, padding, [(span in `rank`'s shard, [begin, end) of the parameter's elements there)]) of `sizes`."""
+    shard_size = -(-sum(sizes) // world)  # rounded up
+    first, offset, spans = rank * shard_size, 0, []  # this rank's first element; the next parameter's
+    for size in sizes:
+        start = min(max(offset - first, 0), shard_size)  # empty if the parameter lies on other ranks
+        stop = min(max(offset + size - first, 0), shard_size)
+        spans.append((slice(start, stop), (first + start - offset, first + stop - offset)))
+        offset += size
+    return shard_size, shard_size * world - sum(sizes), spans
+
+
+def host_memory(sizes):
+    """One host arena cut into tensors of `sizes` elements, pinned where CUDA is by registering it with the driver:
+    torch's caching host allocator would round it up to a power of two and keep it. On CPU plain memory, same code."""
+    memory = torch.empty(sum(sizes))
+    if torch.cuda.is_available() and memory.numel():
+        torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.nbytes, 0)
+    return memory.split(sizes)
 
 
 class FlatParameter:
-    """One unit's parameters of one kind end to end, padded to a multiple of N. This rank keeps 1/N, `shard` (float32
-    master weights), and registers each parameter as its piece of it. `full` is the whole, in the compute dtype: one
-    buffer whose storage is allocated for each all-gather and freed after use, as FSDP does. Autograd keeps the views
-    it saved for backward; they point into the storage again once the next gather has refilled it."""
-    def __init__(self, entries, wrapper, initial_value):
-        self.wrapper = wrapper
-        self.world = dist.get_world_size(wrapper.group)
-        total = sum(param.numel() for _, param, _ in entries)
-        self.shard_size = -(-total // self.world)  # rounded up
-        self.padding = self.shard_size * self.world - total
-        self.decay = entries[0][1].dim() >= 2  # one kind a buffer: the first parameter speaks for all
-        self.shard = nn.Parameter(torch.zeros(self.shard_size, **wrapper.shard_memory), entries[0][1].requires_grad)
-        self.full = None  # allocated by the first all-gather; its storage freed after each use, refilled for the next
-        self.gathering = None  # the all-gather in flight, and the tensor it reads
-        self.params = []  # one record a parameter: its name, shape, uses, registered piece and that piece's span
-        self.parts = []  # checkpoint.Part's fields: (name, full shape, box, [begin, end) of the box, shard, start)
-        first = dist.get_rank(wrapper.group) * self.shard_size  # this rank's first element of the flat parameter
-        offset = 0  # the next parameter's first element
-        for name, param, uses in entries:
-            start = min(max(offset - first, 0), self.shard_size)  # [start, stop): where it falls in this shard
-            stop = min(max(offset + param.numel() - first, 0), self.shard_size)
-            local = nn.Parameter(self.shard.detach()[start:stop], param.requires_grad)  # empty if on other ranks
-            for module, attribute in uses:
-                module._parameters[attribute] = local  # the module's names reach this rank's piece
-            self.params.append(FlatMember(name, param.shape, uses, local, slice(start, stop)))
-            if start < stop:  # deferred init: one piece of one parameter at a time, never a whole buffer
-                piece = (first + start - offset, first + stop - offset)
-                shape, box = wrapper.tp_boxes.get(name, (param.shape, [(0, n) for n in param.shape]))
-                self.shard.detach()[start:stop] = initial_value(name, shape, box, piece)  # the padding stays zero
-                self.parts.append((name, shape, box, piece, self.shard, start))
-            offset += param.numel()
+    """One unit's parameters of one kind end to end, padded to a multiple of N: this rank keeps 1/N, `shard` (float32).
+    `full`, the whole in the compute dtype, has storage from each all-gather to its use's end (autograd's saved views
+    see it again once refilled). Built in three steps: the layout (shard_layout), materialise, take_over."""
+    def __init__(self, entries, wrapper):
+        self.wrapper, self.world, self.full, self.gathering = wrapper, dist.get_world_size(wrapper.group), None, None
+        self.shard_size, self.padding, spans = shard_layout([param.numel() for _, param, _ in entries], self.world,
+                                                            dist.get_rank(wrapper.group))
+        self.params = [FlatMember(name, p.shape, uses, *where) for (name, p, uses), where in zip(entries, spans)]
+        self.decay, self.requires_grad = entries[0][1].dim() >= 2, entries[0][1].requires_grad  # one kind a buffer
 
-    def views(self, full):
-        """Each parameter's view of a whole flat buffer, in its shape; the padding at the end left out."""
+    def materialise(self, shard, initial_value, tp_boxes):
+        """Deferred init into `shard`, a piece at a time; checkpoint.Part's fields of each piece this rank holds."""
+        self.shard, parts = nn.Parameter(shard.zero_(), self.requires_grad), []  # the padding stays zero
+        for param in self.params:
+            if param.piece[0] < param.piece[1]:
+                shape, box = tp_boxes.get(param.name, (param.shape, [(0, n) for n in param.shape]))
+                self.shard.detach()[param.span] = initial_value(param.name, shape, box, param.piece)
+                parts.append((param.name, shape, box, param.piece, self.shard, param.span.start))
+        return parts
+
+    def take_over(self):  # the modules give up their parameters: between gathers, each is its span of `shard` alone
+        for param in self.params:
+            for module, attribute in param.uses:
+                del module._parameters[attribute]
+
+    def views(self, full):  # each parameter's view of a whole flat buffer, in its shape; the padding left out
         pieces = full.split([param.shape.numel() for param in self.params] + [self.padding])
         return [piece.view(param.shape) for piece, param in zip(pieces, self.params)]
 
@@ -67,30 +81,28 @@ class FlatParameter:
         return self.full is not None and self.full.untyped_storage().nbytes() > 0
 
     def start_gather(self):
+        """Copy (--cpu_offload), cast, all-gather on the gather stream, after the compute stream's work so far."""
         if not self.is_gathered():
-            if self.full is None:
-                self.full = torch.empty(self.shard_size * self.world, dtype=self.wrapper.compute_dtype,
-                                        device=self.wrapper.device)
+            wrapper, stream = self.wrapper, self.wrapper.gather_stream
+            self.full = self.full if self.full is not None else torch.empty(
+                self.shard_size * self.world, dtype=wrapper.compute_dtype, device=wrapper.device)
             self.full.untyped_storage().resize_(self.full.nbytes)
-            # --cpu_offload: the shard crosses to the device first, not waited for: issued with the prefetch
-            sent = self.shard.detach().to(self.full.device, non_blocking=True)
-            sent = sent.to(self.full.dtype)  # cast before sending: bf16 moves half the bytes
-            self.gathering = (all_gather_single(self.full, sent, group=self.wrapper.group, async_op=True), sent)
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # None (CPU): no stream. The compute stream waits for it in wait_gather
+                sent = self.shard.detach().to(self.full.device, non_blocking=True).to(self.full.dtype)  # bf16: half
+                self.gathering = (all_gather_single(self.full, sent, group=wrapper.group, async_op=True), sent)
 
     def wait_gather(self):
         self.start_gather()
         if self.gathering is not None:
-            self.gathering[0].wait()
+            self.gathering[0].wait()  # NCCL: the compute stream waits for it, not the host
             self.gathering = None  # and with it `sent`, held until the collective had read it
 
     def use_views(self):
-        """Each parameter's uses read its view of `full`, through which its gradient reaches the reduce-scatter. The
-        view goes in the module's __dict__: normal attribute lookup finds it there first, and nn.Module.__getattr__,
-        which gives the registered piece, runs only when that lookup fails. named_parameters() lists the pieces."""
-        # .data: the same storage under a version counter of its own, which the all-gathers' writes into `full` leave
-        # alone: refilling it with the same weights changes nothing autograd saved. Without a gradient: no graph.
-        full = ReduceScatterGrad.apply(self.shard, self.full.data, self)
-        for param, view in zip(self.params, self.views(full)):
+        """Each parameter's uses (the module's __dict__, which attribute lookup reads) get its view of `full`. .data: a
+        version counter the gathers' writes leave alone: refilling the same weights changes nothing autograd saved."""
+        for param, view in zip(self.params, Unsharded.apply(self.shard, self.full.data, self)):
             for module, attribute in param.uses:
                 module.__dict__[attribute] = view
 
@@ -100,169 +112,186 @@ class FlatParameter:
             self.full.untyped_storage().resize_(0)
         for param in self.params:
             for module, attribute in param.uses:
-                module.__dict__.pop(attribute, None)  # the registered piece shows again
+                module.__dict__.pop(attribute, None)
 
 
-class ReduceScatterGrad(torch.autograd.Function):
-    """Identity from the shard to `full`, so the weights' views hang from the shard in the graph: its backward gets
-    the whole buffer's gradient, once, reduce-scatters it into the shard's gradient and frees `full`."""
+class Unsharded(torch.autograd.Function):
+    """The parameters' views of `full`, one output each, hanging from the shard: autograd sums each one's gradient and
+    calls backward once with all, which reduce_scatter copies into one flat buffer (FSDP2's copy-in), no cat."""
     @staticmethod
     def forward(ctx, shard, full, flat):
         ctx.flat = flat
-        return full
+        ctx.set_materialize_grads(False)  # a parameter this pass did not use: None, not a tensor of zeros
+        return tuple(flat.views(full))
 
     @staticmethod
-    def backward(ctx, grad):
-        ctx.flat.wrapper.reduce_scatter(ctx.flat, grad)
+    def backward(ctx, *grads):
+        ctx.flat.wrapper.reduce_scatter(ctx.flat, grads)
         ctx.flat.free()
         return None, None, None
 
 
 def unit_modules(module, units=None):
-    return [module] + list(getattr(module, "blocks", []) if units is None else units)
+    """Each unit's modules in the order their forwards run: gpt.GPT's as FSDP2 and torchtitan lay them out (the
+    embeddings, each block, the final norm with the LM head); another module's, itself (what no unit holds), `units`."""
+    if units is None and isinstance(module, gpt.GPT):
+        embeddings = [module.wte] + ([module.wpe] if module.wpe is not None else [])
+        return [embeddings] + [[block] for block in module.blocks] + [[module.ln_f, module.lm_head]]
+    return [[module]] + [[unit] for unit in units or []]
 
 
 def flat_parameter_groups(module, units=None):
-    """Each unit's FlatParameters, {kind: [(name, parameter, its (module, attribute) uses)]}; plan.py reads it too."""
+    """Each unit's FlatParameters, {kind: [(name, parameter, its (module, attribute) uses)]}; plan.py reads it too. A
+    tied parameter lives in the first unit using it (wte's, in the embeddings'), kept gathered for the later one."""
     holders = unit_modules(module, units)
-    owner = {sub: index for index, unit in enumerate(holders) for sub in unit.modules()}  # innermost wins
+    owner = {sub: index for index, unit in enumerate(holders) for top in unit for sub in top.modules()}  # innermost
     uses = {}  # parameter -> every (module, attribute) holding it: a tied weight has two
     for name, param in module.named_parameters(remove_duplicate=False):
         module_name, _, attribute = name.rpartition(".")
         uses.setdefault(param, []).append((module.get_submodule(module_name), attribute))
     groups = [{} for _ in holders]
     for name, param in module.named_parameters():  # a tied parameter once, under its first name
-        users = {owner[sub] for sub, _ in uses[param]}
-        unit = users.pop() if len(users) == 1 else 0  # the innermost unit holding every use; else the root
         kind = (param.requires_grad, param.dim() >= 2)
-        groups[unit].setdefault(kind, []).append((name, param, uses[param]))
+        groups[min(owner[sub] for sub, _ in uses[param])].setdefault(kind, []).append((name, param, uses[param]))
     return groups
 
 
-def current_value(params, name, shape, box, flat):  # a module not on meta: the values its parameter has
-    if params[name].is_meta:
-        raise ValueError(f"parameter {name} is on meta: pass initial_value to say what it starts as")
-    return params[name].detach().reshape(-1)[flat[0]:flat[1]]
-
-
 class FullyShardedDataParallel(nn.Module):
-    """ZeRO-3 on any nn.Module. The root and each of `units` (default: its `blocks`, listed in the order their forwards
-    run: each prefetches the next) are gathered one at a time to compute in `compute_dtype`; shards, AdamW and gradient
-    reduction stay float32 (cpu_offload: shards, their gradients and AdamW on the host). initial_value(name, shape, box,
-    flat), as training.initial_values, gives elements [flat[0], flat[1]) of full[box] (needed on meta). tp_boxes {name:
-    (full shape, box)}: train_2d.py's tensor-parallel slices. replicate_group (HSDP): the ranks holding this rank's
-    shards in the other copies of process_group, over which each gradient shard is averaged too. Its parameters are
-    this rank's pieces of the module's, by their names: views into the shards, which parameter_groups() gives AdamW."""
+    """ZeRO-3 on any nn.Module: each unit (unit_modules) gathered to compute in `compute_dtype`, prefetching the next;
+    shards, AdamW, gradient reduction float32 (cpu_offload: on the host). initial_value as training.initial_values';
+    tp_boxes: train_2d.py's; replicate_group: HSDP's. Its parameters are the shards; parts(), gradients(): spans."""
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None,
                  cpu_offload=False):
         super().__init__()
-        self.module = module
-        self.device = torch.device(device)
-        self.cpu_offload = cpu_offload
-        pinned = dict(device="cpu", pin_memory=torch.cuda.is_available())  # pinned: a copy to the device need not wait
-        self.shard_memory = pinned if cpu_offload else dict(device=device)  # shards and their gradients
-        self.group = process_group or dist.group.WORLD
-        self.replicate_group = replicate_group
-        self.compute_dtype = compute_dtype
+        self.module, self.device, self.compute_dtype = module, torch.device(device), compute_dtype
         self.reshard_after_forward = reshard_after_forward
-        self.tp_boxes = tp_boxes or {}
-        initial_value = initial_value or partial(current_value, dict(module.named_parameters()))
-        self.units = [[FlatParameter(entries, self, initial_value) for entries in unit.values()]
-                      for unit in flat_parameter_groups(module, units)]
+        self.group, self.replicate_group = process_group or dist.group.WORLD, replicate_group
+        self.gather_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        params = dict(module.named_parameters())  # without initial_value: the values they have, if not on meta
+        if initial_value is None and any(param.is_meta for param in params.values()):
+            raise ValueError("the module is on meta: pass initial_value to say what its parameters start as")
+        initial_value = initial_value or (lambda name, _, __, flat: params[name].detach().reshape(-1)[slice(*flat)])
+        holders = unit_modules(module, units)
+        self.units = [[FlatParameter(entries, self) for entries in kinds.values()]
+                      for kinds in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
-        self.shards = [flat.shard for flat in self.flats]  # not registered: the module's names list this rank's pieces
-        for index, unit in enumerate(unit_modules(module, units)):
-            unit.register_forward_pre_hook(partial(self._before_forward, index))
-            unit.register_forward_hook(partial(self._after_forward, index))
-        self.in_flight = None  # the latest reduce-scatter, finished when the next one starts
+        sizes = [flat.shard_size for flat in self.flats]  # --cpu_offload: one host arena of shards, one of gradients
+        shards = host_memory(sizes) if cpu_offload else [torch.empty(n, device=device) for n in sizes]
+        host_grads = host_memory(sizes) if cpu_offload else [None] * len(sizes)  # where reduced gradients land
+        self._parts = []
+        for flat, shard, flat.host_grad in zip(self.flats, shards, host_grads):
+            self._parts += flat.materialise(shard, initial_value, tp_boxes or {})
+            flat.take_over()
+        self.shards = nn.ParameterList(flat.shard for flat in self.flats)  # the module's parameters, sharded
+        # Kept gathered from forward to backward (so plan.py counts): the last unit, and one holding a tied weight (wte)
+        self.keep = [index == len(holders) - 1 or any(len(param.uses) > 1 for flat in unit for param in flat.params)
+                     for index, unit in enumerate(self.units)]
+        for index, modules in enumerate(holders):  # a unit of several modules starts with its first, ends with its last
+            modules[0].register_forward_pre_hook(partial(self.gather, index, +1))
+            modules[-1].register_forward_hook(partial(self._after_forward, index))
+        # the latest reduce-scatter, and (HSDP) average over the copies, finished as the next starts or backward ends
+        self.in_flight, self.averaging, self.backward_begun = None, None, False
 
     def forward(self, *args, **kwargs):
-        for flat in self.flats:  # an optimizer dropped one view of a gradient, the shard's or its pieces': drop both
-            if flat.shard.grad is None or any(param.local.grad is None for param in flat.params):
-                flat.shard.grad = None
-                for param in flat.params:
-                    param.local.grad = None
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        for flat in self.flats if not torch.is_grad_enabled() else []:  # evaluation: the units kept for backward too
+            flat.free()
+        return output
 
-    def gather(self, index, direction):
-        """Gather unit `index` for its modules; the next one's gather (forward +1, backward -1) starts first."""
-        following = self.units[(index + direction) % len(self.units)]  # the units run in the order they are listed
-        for flat in self.units[index] + following:
+    @torch.compiler.disable  # --compile: the model compiles between the units' hooks, which run as written
+    def gather(self, index, direction, *hook):  # unit `index`, once the next one's (forward +1, backward -1) started
+        following = index + direction  # the units run in the order they are listed; the first and last prefetch none
+        for flat in self.units[index] + (self.units[following] if 0 <= following < len(self.units) else []):
             flat.start_gather()
         with torch.enable_grad() if direction < 0 else nullcontext():  # for --activation_checkpointing's recompute
             for flat in self.units[index]:
                 flat.wait_gather()
                 flat.use_views()
 
-    @torch.compiler.disable  # --compile: the model compiles between the units' hooks, which run as written
-    def _before_forward(self, index, module, args):
-        self.gather(index, +1)
-
     @torch.compiler.disable
     def _after_forward(self, index, module, args, output):
-        if not torch.is_grad_enabled() or (self.reshard_after_forward and index != 0):  # the root stays for backward
+        if not self.keep[index] and (self.reshard_after_forward or not torch.is_grad_enabled()):
             for flat in self.units[index]:
                 flat.free()
-        # The unit's backward begins once the first of its outputs' gradients is in: hooked on those tensors, as FSDP2
-        # does (a module's full backward pre-hook would warn on the root, whose input, token ids, needs no gradient).
-        outputs = [out for out in (output if isinstance(output, (tuple, list)) else [output])
-                   if isinstance(out, torch.Tensor) and out.requires_grad]
+        # Its backward begins with the first of its outputs' gradients, hooked as FSDP2 does (wpe's comes with wte's)
+        outputs = [out for out in torch.utils._pytree.tree_leaves(output) if getattr(out, "requires_grad", False)]
         if outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, partial(self._before_backward, index), mode="any")
 
     def _before_backward(self, index, grad):
-        if index == 0:  # the root's outputs' gradients come first: backward has begun
+        if not self.backward_begun:  # the first unit of this backward
+            self.backward_begun = True
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         self.gather(index, -1)
 
     def _after_backward(self):
         self.finish_reduce_scatter()
-        for flat in self.flats:  # the root's, frozen ones, a prefetch nobody used: none may outlive the update
+        self.finish_average()  # HSDP: before the optimizer step reads the gradients
+        self.backward_begun = False
+        for flat in self.flats:  # kept ones, frozen ones, a prefetch nobody used: none may outlive the update
             flat.free()
 
-    def reduce_scatter(self, flat, grad):
-        """Start averaging the unit's gradient into this rank's piece once the previous one has landed."""
-        self.finish_reduce_scatter()
-        grad = grad.float()  # averaged in float32: a sum of N bf16 gradients would lose their low bits
-        piece = grad.new_empty(flat.shard_size)
-        work = reduce_scatter_single(piece, grad, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
-        self.in_flight = (flat, piece, grad, work)
+    def reduce_scatter(self, flat, grads):
+        """Copy (cast) the gradients into one float32 buffer laid out as `full`; average it into this rank's piece."""
+        self.finish_reduce_scatter()  # the previous unit's first
+        buffer = torch.empty(flat.shard_size * flat.world, device=self.device)  # float32: bf16 sums lose low bits
+        views = flat.views(buffer)
+        torch._foreach_copy_(*zip(*[(view, grad) for view, grad in zip(views, grads) if grad is not None]))
+        for view in [view for view, grad in zip(views, grads) if grad is None] + [buffer[len(buffer) - flat.padding:]]:
+            view.zero_()  # a parameter this pass left unused, and the padding
+        piece = buffer.new_empty(flat.shard_size)
+        work = reduce_scatter_single(piece, buffer, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        self.in_flight = (flat, piece, buffer, work)
 
     def finish_reduce_scatter(self):
         if self.in_flight is not None:
             flat, piece, _, work = self.in_flight
             work.wait()
-            if self.replicate_group is not None:  # HSDP: averaged over the shard group, now over its copies too
-                dist.all_reduce(piece, op=dist.ReduceOp.AVG, group=self.replicate_group)
-            if self.cpu_offload:  # back to the host, where AdamW steps; the host waits: it reads them next
-                piece = torch.empty(flat.shard_size, **self.shard_memory).copy_(piece)
-            flat.shard.grad = piece if flat.shard.grad is None else flat.shard.grad.add_(piece)  # micro-steps add up
-            for param in flat.params:
-                param.local.grad = flat.shard.grad[param.span]
             self.in_flight = None
+            self.finish_average()
+            if self.replicate_group is None:
+                return self.accumulate(flat, piece)
+            # HSDP: averaged over the shard group, now over its copies too, while the next unit's backward runs
+            self.averaging = (flat, piece, dist.all_reduce(piece, op=dist.ReduceOp.AVG, group=self.replicate_group,
+                                                           async_op=True))
 
-    def parameter_groups(self):
-        """(with weight decay, without): the trainable shards, for training.make_optimizer."""
+    def finish_average(self):
+        if self.averaging is not None:
+            flat, piece, work = self.averaging
+            work.wait()
+            self.averaging = None
+            self.accumulate(flat, piece)
+
+    def accumulate(self, flat, piece):  # over micro-steps; --cpu_offload: into the host arena (AdamW reads it next)
+        if flat.shard.grad is not None:
+            return flat.shard.grad.add_(piece.to(flat.shard.grad.device))
+        flat.shard.grad = piece if flat.host_grad is None else flat.host_grad.copy_(piece)
+
+    def parameter_groups(self):  # (with weight decay, without): the trainable shards, for training.make_optimizer
         trained = [flat for flat in self.flats if flat.shard.requires_grad]
         return [f.shard for f in trained if f.decay], [f.shard for f in trained if not f.decay]
 
-    def clip_grad_norm_(self, max_norm):
-        """The whole model's gradient norm: the shards are disjoint parts of it (padding's gradient is zero; HSDP's
-        copies of the shard group hold the same)."""
-        total = sum(shard.grad.pow(2).sum() for shard in self.shards if shard.grad is not None).to(self.device)
-        dist.all_reduce(total, group=self.group)  # one number: the squared norm of the whole model, on the device
+    def gradients(self):  # (name, this rank's span of its gradient) of each parameter whose shard has one
+        return [(p.name, f.shard.grad[p.span]) for f in self.flats if f.shard.grad is not None for p in f.params]
+
+    def clip_grad_norm_(self, max_norm, counted=None, group=None):
+        """The model's gradient norm, summed over `group`, of the parameters this rank counts (default: all)."""
+        grads = [grad for name, grad in self.gradients() if counted is None or counted(name)]
+        norms = torch._foreach_norm(grads)  # each rank's threads, and no squared copy of any gradient
+        total = (torch.stack(norms).square().sum() if norms else torch.zeros(())).to(self.device)
+        dist.all_reduce(total, group=group or self.group)  # the squared norm of the whole model, on the device
         norm = total.sqrt()
-        nn.utils.clip_grads_with_norm_(self.shards, max_norm, norm)
+        nn.utils.clip_grads_with_norm_(list(self.shards), max_norm, norm)
         return norm
 
-    def parts(self):
-        return [part for flat in self.flats for part in flat.parts]
+    def parts(self):  # checkpoint.Part's fields of every piece this rank holds
+        return self._parts
 
 
 def hybrid_groups(replicate):
-    """HSDP's groups of this rank: (its shard group, world / replicate consecutive ranks, a node; its replicate group,
-    the ranks at its place in every shard group). dist.new_group is collective: every rank creates every group."""
+    """This rank's (shard group: world / replicate consecutive ranks, a node; replicate group: the ranks at its place
+    in every shard group). dist.new_group is collective: every rank creates every group."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shards = world // replicate
     shard_groups = [dist.new_group(list(range(r * shards, (r + 1) * shards))) for r in range(replicate)]
@@ -277,12 +306,9 @@ def main(argv=None):
     parser = training.get_parser(__doc__, "fsdp")
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: FSDP2's fully_shard")
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
-    parser.add_argument("--no_deferred_init", action="store_true",
-                        help="build the whole model first (default: on meta; each rank initialises only its shards)")
-    parser.add_argument("--cpu_offload", action="store_true",
-                        help="keep the float32 shards, their gradients and AdamW on the host; AdamW steps there")
-    parser.add_argument("--replicate", type=training.positive_int, default=1,
-                        help="HSDP: shard over world / R consecutive ranks (a node), replicate over the R groups")
+    parser.add_argument("--no_deferred_init", action="store_true", help="build the whole model first, not on meta")
+    parser.add_argument("--cpu_offload", action="store_true", help="float32 shards, gradients, AdamW on the host")
+    parser.add_argument("--replicate", type=training.positive_int, default=1, help="HSDP: R copies of the shards")
     args = parser.parse_args(argv)
 
     # ---- process groups: every rank is one data-parallel rank holding 1/world of the model (HSDP: 1/shards)
@@ -323,8 +349,7 @@ def main(argv=None):
             model, process_group=shard_group, device=device, compute_dtype=getattr(torch, args.dtype),
             reshard_after_forward=not args.no_reshard, initial_value=value, replicate_group=replicate_group,
             cpu_offload=args.cpu_offload)
-        groups = model.parameter_groups()
-        clip_grad_norm = model.clip_grad_norm_
+        groups, clip_grad_norm = model.parameter_groups(), model.clip_grad_norm_
         parts = [checkpoint.Part(*where) for where in model.parts()]
     optimizer = training.make_optimizer(groups, args, device)
     forward = training.wrap_blocks(model, args.compile, args.activation_checkpointing)
