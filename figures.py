@@ -51,8 +51,9 @@ LOSS_RUNS = [("single", "train_single.py", 1, []), ("DDP", "train_ddp.py", 2, []
              ("PP (2 stages, 1F1B)", "train_pp.py", 2, []), ("ZeRO-2", "train_zero.py", 2, ["--stage", "2"]),
              ("HSDP (2 x 2)", "train_fsdp.py", 4, ["--replicate", "2"]),
              ("CP (ring, 2 ranks)", "train_cp.py", 2, ["--cp_impl", "ring"])]
-QUICK_START = [("single", "single"), ("DDP", "ddp"), ("FSDP", "fsdp"), ("TP + sequence parallel", "tp"),
-               ("2-D (tp 2 x dp 2)", "2d"), ("PP (2 stages, 1F1B)", "pp")]  # layout, its script's --out_dir in out/
+QUICK_START = [("single", "single"), ("DDP", "ddp"), ("FSDP", "fsdp"),  # layout, its default --out_dir in out/
+               ("TP + sequence parallel", "tp-sequence_parallel"), ("2-D (tp 2 x dp 2)", "2d"),
+               ("PP (2 stages, 1F1B)", "pp")]
 COMM_STRATEGIES = ["ddp", "fsdp", "tp", "tp_sequence_parallel", "tp_no_loss_parallel", "2d"]
 COMM_IMPLS = ["ours", "torch"]
 # GPT-2 124M on 8 GPUs: its 12 heads do not divide by 8, so tensor parallelism runs 2 or 4 wide, times data parallel.
@@ -443,7 +444,7 @@ def main(argv=None):
     p.add_argument("--block_size", type=int, default=128, help="context length of every run")
     p.add_argument("--comm_steps", type=int, default=3, help="steps of each run whose last step's bytes are read")
     p.add_argument("--quick_start", default="out", help="where the Quick start's six commands wrote their runs (each "
-                   "script's default --out_dir, out/<strategy>): drift.png draws them; without them, figures.json's")
+                   "default --out_dir, out/<strategy>[-variant]): drift.png draws them; without them, figures.json's")
     p.add_argument("--replot", action="store_true", help="redraw from --out_dir's figures.json, running nothing")
     p.add_argument("--layout_worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

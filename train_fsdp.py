@@ -283,7 +283,7 @@ def main(argv=None):
                         help="keep the float32 shards, their gradients and AdamW on the host; AdamW steps there")
     parser.add_argument("--replicate", type=training.positive_int, default=1,
                         help="HSDP: shard over world / R consecutive ranks (a node), replicate over the R groups")
-    args = parser.parse_args(argv)
+    args = training.parse(parser, argv)
 
     # ---- process groups: every rank is one data-parallel rank holding 1/world of the model (HSDP: 1/shards)
     rank, local_rank, world_size = training.launched_rank(args)
@@ -332,7 +332,8 @@ def main(argv=None):
 
     start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
-    logger.start(train_data, dp_size, start_step, layout=f"HSDP {args.replicate} x {shards} | " * (args.replicate > 1))
+    layout = f"HSDP {args.replicate} x {shards} | " if args.replicate > 1 else "FSDP | "
+    logger.start(train_data, dp_size, start_step, layout=layout)
 
     # ---- loop
     stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
