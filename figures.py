@@ -5,8 +5,9 @@ The README's figures, drawn from real runs. Needs matplotlib, an optional extra 
     python figures.py --steps 20 --block_size 32 --out_dir /tmp/figures          # a quick, small version
     python figures.py --model llama-tiny --out_dir /tmp/figures-llama     # the runs' figures on Llama 3's shape
 
-losses.png      the training loss of single, DDP, FSDP, TP with sequence parallelism, 2-D and PP over the same run
-                (300 steps at --lr 1e-3), overlaid, and each layout's |difference| from single in float32 spacings
+losses.png      the training loss of single, DDP, FSDP, TP with sequence parallelism, 2-D, PP, ZeRO-2, HSDP and CP
+                over the same run (300 steps at --lr 1e-3), overlaid, and each layout's |difference| from single in
+                float32 spacings
 drift.png       the same for the Quick start's six 1000-step runs at its --lr 3e-3, read from their metrics.jsonl
                 in --quick_start (where the README's commands write them): how far the layouts drift apart
 comm_bytes.png  the bytes one rank sends per step through collectives: measured by bench.py (ours and PyTorch's),
@@ -47,9 +48,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LOSS_RUNS = [("single", "train_single.py", 1, []), ("DDP", "train_ddp.py", 2, []), ("FSDP", "train_fsdp.py", 2, []),
              ("TP + sequence parallel", "train_tp.py", 2, ["--sequence_parallel"]),
              ("2-D (tp 2 x dp 2)", "train_2d.py", 4, ["--tp", "2", "--dp", "2"]),
-             ("PP (2 stages, 1F1B)", "train_pp.py", 2, [])]
-QUICK_START = [("single", "single"), ("DDP", "ddp"), ("FSDP", "fsdp"), ("TP + sequence parallel", "tp"),
-               ("2-D (tp 2 x dp 2)", "2d"), ("PP (2 stages, 1F1B)", "pp")]  # layout, its script's --out_dir in out/
+             ("PP (2 stages, 1F1B)", "train_pp.py", 2, []), ("ZeRO-2", "train_zero.py", 2, ["--stage", "2"]),
+             ("HSDP (2 x 2)", "train_fsdp.py", 4, ["--replicate", "2"]),
+             ("CP (ring, 2 ranks)", "train_cp.py", 2, ["--cp_impl", "ring"])]
+QUICK_START = [("single", "single"), ("DDP", "ddp"), ("FSDP", "fsdp"),  # layout, its default --out_dir in out/
+               ("TP + sequence parallel", "tp-sequence_parallel"), ("2-D (tp 2 x dp 2)", "2d"),
+               ("PP (2 stages, 1F1B)", "pp")]
 COMM_STRATEGIES = ["ddp", "fsdp", "tp", "tp_sequence_parallel", "tp_no_loss_parallel", "2d"]
 COMM_IMPLS = ["ours", "torch"]
 # GPT-2 124M on 8 GPUs: its 12 heads do not divide by 8, so tensor parallelism runs 2 or 4 wide, times data parallel.
@@ -64,7 +68,7 @@ MEMORY_FIGURES = {
               MEMORY_LAYOUTS[:2] + [("2-D + SP\ntp 8 x dp 1", dict(strategy="2d", dp=1, tp=8,
                                                                        sequence_parallel=True))]),
 }
-COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#000000"]
+COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#000000", "#ee7733"]
 
 
 def loss_curves(args, tmp):
@@ -440,7 +444,7 @@ def main(argv=None):
     p.add_argument("--block_size", type=int, default=128, help="context length of every run")
     p.add_argument("--comm_steps", type=int, default=3, help="steps of each run whose last step's bytes are read")
     p.add_argument("--quick_start", default="out", help="where the Quick start's six commands wrote their runs (each "
-                   "script's default --out_dir, out/<strategy>): drift.png draws them; without them, figures.json's")
+                   "default --out_dir, out/<strategy>[-variant]): drift.png draws them; without them, figures.json's")
     p.add_argument("--replot", action="store_true", help="redraw from --out_dir's figures.json, running nothing")
     p.add_argument("--layout_worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -1,18 +1,15 @@
 """
 The model, and only the model: GPT-2 and Llama 3 as one family, config presets, the modules, weight init by
-parameter name, the FLOPs count, and sampling. Reads like nanoGPT's model.py. There is no torch.distributed code
-here: strategies are applied to the model from outside (train_ddp.py, train_fsdp.py, train_tp.py, train_2d.py,
-train_pp.py) and it runs unchanged under them; what every training script needs that is not the model lives in
-training.py, and pretrained weights in the Hugging Face format are read by hugging_face.py.
+parameter name, the FLOPs count, and sampling. Reads like nanoGPT's model.py. No torch.distributed code here: the
+strategies (train_*.py) are applied from outside and it runs unchanged under them; what every training script needs
+that is not the model lives in training.py, pretrained weights in the Hugging Face format in hugging_face.py.
 
 Llama 3 is GPT-2 with these changes, each a config field: RMSNorm for LayerNorm, rotary position angles (RoPE) in
 attention for the learned position table, a SwiGLU MLP (a third matrix, the gate), grouped-query attention (fewer
-key/value heads than query heads), no biases, and an LM head that may be a matrix of its own. The module names stay
-GPT-2's, so every strategy, checkpoint and test reads both families by the same names.
+key/value heads than query heads), no biases, an LM head that may be its own matrix; GPT-2's module names stay.
 
-Top to bottom: the config and its presets; the norms, rotary angles, attention, MLP, block and GPT; the loss over the
-real vocabulary; every parameter's initial value by name; the attention kernel's choice; generate; and the FLOPs per
-token behind MFU.
+Top to bottom: the config and presets; norms, rotary angles, attention, MLP, block, GPT; the loss over the real
+vocabulary; each parameter's initial value by name; the attention kernel; generate; the FLOPs per token behind MFU.
 """
 
 import hashlib

@@ -147,6 +147,8 @@ def pretrained_folder(name_or_path):
     ...) downloaded into huggingface_hub's cache (under $HF_HOME; with HF_HUB_OFFLINE=1 only the cache is read)."""
     if os.path.isdir(name_or_path):
         return name_or_path
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or os.path.exists(name_or_path):
+        raise UsageError(f"--init_from {name_or_path!r}: no such folder (a hub model is named name or owner/name)")
     from huggingface_hub import snapshot_download
 
     try:

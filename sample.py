@@ -36,9 +36,10 @@ def main(argv=None):
     p.add_argument("--data", default=None, help="prepared folder whose meta.json names the tokenizer (default: "
                                                 "the run's --data)")
     training.add_sampling_flags(p)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=1337, help="seeds the sampling: the same seed, the same text")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="bfloat16: autocast, float32 weights")
     args = p.parse_args(argv)
     training.check_sampling_flags(args)
 

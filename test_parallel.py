@@ -1096,7 +1096,7 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
 
 
 SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, train_cp, prepare_data,
-           bench, gpu_check, bench_pipeline]
+           bench, gpu_check, bench_pipeline, sample]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.__name__)
@@ -3383,7 +3383,8 @@ def _refusal(main, argv):
     ("--block_size", "--block_size 128 is longer than its n_positions 64: pass --block_size 64 or less"),
     ("not GPT-2", "config.json has activation_function 'relu': gpt.py computes GPT-2 and Llama 3 only"),
     ("weights", "model.safetensors has no h.2.ln_1.weight: the weights do not match config.json"),
-    ("no folder", "is no local folder, and the Hugging Face hub did not give it"),
+    ("no folder", "/nowhere': no such folder (a hub model is named name or owner/name)"),
+    ("./no_such_folder", "--init_from './no_such_folder': no such folder"),
 ])
 def test_init_from_that_contradicts_the_flags_or_data_is_refused(corpus, tmp_path, gpt2_like, case, message):
     """Refused with one line that says what to change, on every rank, before the first collective."""
@@ -3403,10 +3404,10 @@ def test_init_from_that_contradicts_the_flags_or_data_is_refused(corpus, tmp_pat
             config = json.load(f)
         with open(tmp_path / "gpt2" / "config.json", "w") as f:
             json.dump(dict(config, n_layer=3), f)
-    else:
-        overrides["init_from"] = str(tmp_path / "nowhere")
+    else:  # a path, which no hub download could give
+        overrides["init_from"] = case if case.startswith("./") else str(tmp_path / "nowhere")
     errors = run_distributed(2, _refusal, train_ddp.main, flags(corpus, tmp_path / "run", **overrides))
-    assert all(error and message in error and "\n" not in error for error in errors), errors
+    assert all(error and message in error and "\n" not in error and "hub did not" not in error for error in errors)
 
 
 @one_thread()
@@ -3444,6 +3445,8 @@ def test_init_from_a_hub_name_reads_the_huggingface_hub_cache(tmp_path, gpt2_lik
                                          r"\(LocalEntryNotFoundError\): pass a folder") as error:
         hugging_face.pretrained_folder("gpt2-xl")
     assert time.time() - start < 5 and "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="'meta-llama/Llama-9-1B' is no local folder, and the Hugging Face hub"):
+        hugging_face.pretrained_folder("meta-llama/Llama-9-1B")  # owner/name: a hub id, not a path
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -4285,11 +4288,32 @@ SHORTER_RUN = ["--max_steps", "2", "--block_size", "32", "--global_batch", "8", 
                "--sample_tokens", "8"]
 
 
+CHAPTERS = ["train_ddp.py", "train_zero.py", "train_fsdp.py", "train_tp.py", "train_2d.py", "train_pp.py", "train_cp.py"]
+
+
+def chapter_examples():
+    """Each chapter's examples in the README's order: its script's docstring (--help) commands that run on a CPU, on the
+    tiny model (torchrun --standalone, but not --impl torch of train_cp.py: torch's context_parallel needs CUDA)."""
+    commands = []
+    for script in CHAPTERS:
+        text = open(os.path.join(HERE, script)).read().split('"""')[1].replace("\\\n", " ")
+        commands += [line.split("#")[0].strip() for line in text.splitlines()
+                     if "--standalone" in line and not ("train_cp.py" in line and "--impl torch" in line)]
+    return commands
+
+
+def same_run(command):
+    """A command's script and flags, less torchrun's and the layout's sizes: two commands alike here train the same run
+    on two layouts (the one principle), which the second one would --resume, not start again."""
+    return re.sub(r" --[tdc]p \d+", "", command.split("train_", 1)[1])
+
+
 @launches_its_own_ranks
-def test_quick_start_runs_in_the_readme_order(corpus, tmp_path):
-    """The README's Quick start, command after command as written, in a fresh copy of the scripts (its data
-    folder is the session's corpus), with flags that only make the runs shorter: no run refuses a folder the run
-    before it filled, since every script has its own --out_dir."""
+def test_quick_start_and_each_chapters_examples_run_in_the_readme_order(corpus, tmp_path):
+    """The README's Quick start, then each chapter's examples, command after command as written, in one fresh copy of
+    the scripts (its data folder is the session's corpus), with flags that only make the runs shorter: no run refuses
+    a folder a run before it filled, since every script and every variant of one has its own default --out_dir. A
+    command that trains the same run as one before it on another layout (the same flags, more ranks) is left out."""
     repo = tmp_path / "repo"
     repo.mkdir()
     for name in os.listdir(HERE):
@@ -4299,18 +4323,27 @@ def test_quick_start_runs_in_the_readme_order(corpus, tmp_path):
     (repo / "data" / "default").symlink_to(corpus)
     commands = readme_commands("Quick start", ("python train_", "torchrun"))
     assert commands[0] == "python train_single.py" and len(commands) >= 5, commands
-    for command in commands:
-        if "pytest" in command:
+    examples = chapter_examples()
+    assert any("--stage 2" in c for c in examples) and any("--cp_impl ring" in c for c in examples), examples
+    runs = []
+    for command in commands + examples:
+        if "pytest" in command or same_run(command) in runs:
             continue
+        runs.append(same_run(command))
         words = command.split()[1:]
         with launcher(tmp_path) as start:
             code, output, _ = start(*words, *SHORTER_RUN, via_torchrun=command.startswith("torchrun"), cwd=repo).wait()
         assert code == 0 and "from scratch" in output and "sample:" in output, f"{command}\n{output[-3000:]}"
-        # A healthy run's screen holds no warning, of Python's or torch's (e.g. a module hook that misfires)
-        assert not re.search(r"Warning\b|\[W\d{4}", output), f"{command}\n{output[-3000:]}"
-        if "train_pp.py" in command:  # the global batch of 8 pipelines as 4 micro-batches of 2: 2 x --pp
+        # A healthy run's screen holds no warning, of Python's or torch's (e.g. a module hook that misfires), but for
+        # the pipeline's yardstick: its DistributedDataParallel needs find_unused_parameters, and says so in C++
+        if "train_pp.py --impl torch" not in command:
+            assert not re.search(r"Warning\b|\[W\d{4}", output), f"{command}\n{output[-3000:]}"
+        if command.endswith("train_pp.py"):  # the global batch of 8 pipelines as 4 micro-batches of 2: 2 x --pp
             assert "micro batch 2 x 4 accumulation" in output and "bubble (p - 1) / (m + p - 1) = 0.20" in output
-    assert sorted(os.listdir(repo / "out")) == ["2d", "ddp", "fsdp", "llama-tiny", "pp", "single", "tp"]
+    assert sorted(os.listdir(repo / "out")) == [
+        "2d", "2d-sequence_parallel", "2d-torch", "cp", "cp-ring", "ddp", "ddp-torch", "fsdp", "fsdp-replicate2",
+        "fsdp-torch", "llama-tiny", "pp", "pp-gpipe", "pp-torch", "single", "tp", "tp-sequence_parallel", "tp-torch",
+        "zero", "zero-stage2", "zero-torch"]
 
 
 WALKTHROUGH_SHORTER = {  # how a walkthrough's command starts -> flags appended that only make it smaller
@@ -4426,6 +4459,26 @@ def test_bad_launch_is_one_line_from_one_rank(corpus, tmp_path, ranks, script, b
         assert code == 1 and "rank      : 0 (local_rank: 0)" in root_cause and "exitcode  : 2" in root_cause, output
         assert f"traceback : {ours[0]}" in root_cause, output
     assert not os.path.exists(out_dir) and not running_with(str(out_dir))
+
+
+def _printed(main, argv):
+    """What main(argv) prints on this rank (rank 0 alone prints its progress)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(argv)
+    return printed.getvalue()
+
+
+@pytest.mark.parametrize("main, ranks, extra, strategy", [
+    (train_ddp.main, 2, {}, "| DDP |"), (train_zero.main, 2, dict(stage=2), "| ZeRO-2 |"),
+    (train_fsdp.main, 2, {}, "| FSDP |"), (train_fsdp.main, 4, dict(replicate=2), "| HSDP 2 x 2 |"),
+    (train_tp.main, 2, {}, "| tensor parallel 2 "), (train_2d.main, 4, {}, "grid: 2 data-parallel x 2 tensor-parallel"),
+    (train_pp.main, 2, {}, "pipeline: 2 stages"), (train_cp.main, 2, {}, "| 2 context-parallel (allgather) |"),
+])
+def test_every_scripts_first_line_names_its_strategy(corpus, shared_tmp, main, ranks, extra, strategy):
+    """What a user sees first says which strategy runs: no two first lines alike but for the numbers."""
+    printed = run_distributed(ranks, _printed, main, flags(corpus, shared_tmp, max_steps=1, eval_interval=0, **extra))
+    assert strategy in printed[0].splitlines()[0], printed[0]
 
 
 def _resume_refused(argv):

@@ -139,8 +139,9 @@ def parallelize_with_dtensor(model, mesh, sequence_parallel, loss_parallel):
                                        output_layouts=Shard(-1) if loss_parallel else Replicate()),
             "blocks.*.attn.query": ColwiseParallel(), "blocks.*.attn.key": ColwiseParallel(),
             "blocks.*.attn.value": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(output_layouts=residual),
-            "blocks.*.mlp.gate": ColwiseParallel(),  # Llama's SwiGLU; GPT-2's MLP has none
             "blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel(output_layouts=residual)}
+    if model.config.swiglu:  # Llama's gate; a key no module matches would warn on every GPT-2 run
+        plan["blocks.*.mlp.gate"] = ColwiseParallel()
     if sequence_parallel:  # wpe (GPT-2) is added to the whole sequence, then the residual stream is cut into shards
         gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         gather_attention_input = PrepareModuleInput(input_layouts=(Shard(1), None),  # and the rotary angles, as given

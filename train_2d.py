@@ -62,7 +62,7 @@ def main(argv=None):
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
     parser.add_argument("--cpu_offload", action="store_true",
                         help="keep the float32 shards, their gradients and AdamW on the host; AdamW steps there")
-    args = parser.parse_args(argv)
+    args = training.parse(parser, argv)
 
     # ---- process groups: a dp x tp grid; tensor-parallel peers share a data-parallel rank and its rows
     rank, local_rank, world_size = training.launched_rank(args)

@@ -273,7 +273,7 @@ def main(argv=None):
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="torch: the experimental context_parallel (CUDA only)")
     parser.add_argument("--bucket_mb", type=training.positive, default=25, help="largest gradient bucket, in MiB")
-    args = parser.parse_args(argv)
+    args = training.parse(parser, argv)
 
     # ---- process groups: dp groups of cp consecutive ranks; each group shares a data-parallel rank's rows
     rank, local_rank, world_size = training.launched_rank(args)

@@ -146,7 +146,7 @@ def main(argv=None):
     parser.add_argument("--impl", default="ours", choices=["ours", "torch"],
                         help="ours: DataParallel above; torch: torch.nn.parallel.DistributedDataParallel")
     parser.add_argument("--bucket_mb", type=training.positive, default=25, help="largest gradient bucket, in MiB")
-    args = parser.parse_args(argv)
+    args = training.parse(parser, argv)
 
     # ---- process groups: every rank is one data-parallel rank holding the whole model
     rank, local_rank, world_size = training.launched_rank(args)
@@ -182,7 +182,7 @@ def main(argv=None):
 
     start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
-    logger.start(train_data, dp_size, start_step)
+    logger.start(train_data, dp_size, start_step, layout="DDP | ")
 
     # ---- loop
     stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved

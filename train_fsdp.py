@@ -190,8 +190,7 @@ class FullyShardedDataParallel(nn.Module):
         for index, modules in enumerate(holders):  # a unit of several modules starts with its first, ends with its last
             modules[0].register_forward_pre_hook(partial(self.gather, index, +1))
             modules[-1].register_forward_hook(partial(self._after_forward, index))
-        # the latest reduce-scatter, and (HSDP) average over the copies, finished as the next starts or backward ends
-        self.in_flight, self.averaging, self.backward_begun = None, None, False
+        self.in_flight, self.averaging, self.backward_begun = None, None, False  # each finished as the next starts
 
     def forward(self, *args, **kwargs):
         output = self.module(*args, **kwargs)
@@ -309,7 +308,7 @@ def main(argv=None):
     parser.add_argument("--no_deferred_init", action="store_true", help="build the whole model first, not on meta")
     parser.add_argument("--cpu_offload", action="store_true", help="float32 shards, gradients, AdamW on the host")
     parser.add_argument("--replicate", type=training.positive_int, default=1, help="HSDP: R copies of the shards")
-    args = parser.parse_args(argv)
+    args = training.parse(parser, argv)
 
     # ---- process groups: every rank is one data-parallel rank holding 1/world of the model (HSDP: 1/shards)
     rank, local_rank, world_size = training.launched_rank(args)
@@ -357,7 +356,8 @@ def main(argv=None):
 
     start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device)
     logger = training.Logger(args, config, device, rank, world_size)
-    logger.start(train_data, dp_size, start_step, layout=f"HSDP {args.replicate} x {shards} | " * (args.replicate > 1))
+    hybrid = f"HSDP {args.replicate} x {shards} | "
+    logger.start(train_data, dp_size, start_step, layout=hybrid if args.replicate > 1 else "FSDP | ")
 
     # ---- loop
     stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved

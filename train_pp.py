@@ -238,7 +238,7 @@ def main(argv=None):
     parser.add_argument("--dp", type=training.positive_int, help="replicas of the pipeline (default: world / --pp)")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"],
                         help="gpipe: every forward, then every backward; 1f1b: one forward, one backward in turn")
-    args = parser.parse_args(argv)
+    args = training.parse(parser, argv)
 
     # ---- process groups: --dp replicas of a --pp stage pipeline; stage s is ranks [s * dp, (s + 1) * dp)
     rank, local_rank, world_size = training.launched_rank(args)

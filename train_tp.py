@@ -305,7 +305,7 @@ def main(argv=None):
     parser.add_argument("--tp", type=training.positive_int, help="tensor-parallel size: the world size (default)")
     parser.add_argument("--sequence_parallel", action="store_true", help="layer norms and dropout on sequence shards")
     parser.add_argument("--no_loss_parallel", action="store_true", help="gather the whole logits before the loss")
-    args = parser.parse_args(argv)
+    args = training.parse(parser, argv)
 
     # ---- process groups: every rank is one tensor-parallel rank; they all read the same rows
     rank, local_rank, world_size = training.launched_rank(args)

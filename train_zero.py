@@ -152,7 +152,7 @@ def main(argv=None):
                         help="torch: DistributedDataParallel with ZeroRedundancyOptimizer (stage 1; PyTorch has no "
                         "ZeRO-2)")
     parser.add_argument("--bucket_mb", type=training.positive, default=25, help="largest gradient bucket, in MiB")
-    args = parser.parse_args(argv)
+    args = training.parse(parser, argv)
 
     # ---- process groups: every rank is one data-parallel rank holding the whole model and 1/world of its AdamW state
     rank, local_rank, world_size = training.launched_rank(args)

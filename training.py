@@ -2,11 +2,11 @@
 What every run needs but the model and its strategy (train_*.py): flags, launch and the ranks' fingerprint check, the
 batch sampler, initial values, optimizer and schedule, evaluation, the sample, the compile / recompute wrapper, logs.
 
-A script's main() calls it in this file's order: get_parser; launched_rank and get_device; load_data, which checks every
-flag before any collective; init_distributed; initial_values; make_optimizer and wrap_blocks; Logger.start; then each
-step evaluate, set_lr, StopRequest.agreed and Logger.log_step; sample at the end. `run(main)` is every script's entry
-point: a mistake or a planned stop ends the run with one line and an exit code, not a traceback from every rank.
-Nothing here knows a strategy: a script passes in its own data-parallel rank and group.
+A script's main() calls it in this order: get_parser, parse; launched_rank, get_device; load_data, which checks every
+flag first; init_distributed; initial_values; make_optimizer, wrap_blocks; Logger.start; each step evaluate, set_lr,
+StopRequest.agreed, Logger.log_step; sample at the end. `run(main)` is every script's entry point: a mistake or a
+planned stop ends the run with one line and an exit code, not a traceback from every rank. Nothing here knows a
+strategy: a script passes in its own data-parallel rank and group.
 """
 
 import atexit
@@ -41,8 +41,7 @@ IMPORTED = time.perf_counter()  # the first log line reports the time from here:
 
 
 def get_parser(description, strategy="single"):
-    """The flags every script shares, in groups after the script's own. strategy: the script's (single, ddp, fsdp,
-    tp, 2d), for --plan, and its default --out_dir, out/<strategy>, so runs of two scripts never share a folder."""
+    """The flags every script shares, in groups after its own; strategy (single, ddp, ...): for --plan and --out_dir."""
     p = ArgumentParser(description=description, formatter_class=HelpFormatter)
     p.set_defaults(strategy=strategy)
     add = p.add_argument_group("model and data").add_argument
@@ -76,7 +75,7 @@ def get_parser(description, strategy="single"):
     add("--eval_iters", type=positive_int, default=4, help="validation batches per evaluation")
     add_sampling_flags(group)
     add = p.add_argument_group("checkpoints").add_argument
-    add("--out_dir", default=f"out/{strategy}", help="checkpoints and metrics.jsonl")
+    add("--out_dir", default=f"out/{strategy}", help="checkpoints, metrics.jsonl (default: out/<strategy>[-variant])")
     add("--ckpt_interval", type=count, default=100, help="steps between checkpoints, and one at the end; 0: the end")
     add("--keep_checkpoints", type=count, default=2, help="the newest checkpoints kept; 0: every one")
     add("--save_timeout", type=positive, default=1800, help="seconds the ranks wait for a save's slowest write")
@@ -90,7 +89,19 @@ def get_parser(description, strategy="single"):
     add("--plan", action="store_true", help="print the memory one rank needs, item by item, and exit: no training")
     add("--world_size", type=positive_int, help="--plan: the ranks to plan for (default: torchrun's WORLD_SIZE, or 1)")
     add("--gpu_memory", type=positive, default=80, help="--plan: one GPU's memory, in GB (10^9 bytes)")
+    p.shared = len(p._actions)  # a script's own flags come after these
     return p
+
+
+def parse(parser, argv):
+    """A script's flags; --out_dir by default out/<strategy>, then each own flag set away from its default (README)."""
+    parser.set_defaults(out_dir=None)  # one given wins
+    args = parser.parse_args(argv)
+    own = [(a.dest, vars(args)[a.dest]) for a in parser._actions[parser.shared:] if a.default is not None]
+    names = [value if isinstance(value, str) else name if value is True else f"{name}{value}"
+             for name, value in own if value != parser.get_default(name)]
+    args.out_dir = args.out_dir or "-".join([f"out/{args.strategy}", *names])
+    return args
 
 
 def add_sampling_flags(p):
@@ -438,21 +449,16 @@ def decay_groups(parameters):
 def make_optimizer(groups, args, device):
     """AdamW over groups = (with weight decay, without). Fused on every device, so the tests run the kernel CUDA runs;
     one group per kind, since a fused step refuses DTensors mixed with plain tensors (--impl torch's TP leaves some)."""
-    param_groups = []
-    for params, weight_decay in zip(groups, (args.weight_decay, 0.0)):
-        params = list(params)
-        for distributed in (False, True):
-            same_kind = [p for p in params if isinstance(p, DTensor) == distributed]
-            if same_kind:
-                param_groups.append({"params": same_kind, "weight_decay": weight_decay})
+    kinds = [([p for p in params if isinstance(p, DTensor) == distributed], decay)
+             for params, decay in zip(map(list, groups), (args.weight_decay, 0.0)) for distributed in (False, True)]
+    param_groups = [{"params": params, "weight_decay": decay} for params, decay in kinds if params]
     return torch.optim.AdamW(param_groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def wrap_blocks(model, compile=False, activation_checkpointing=False):
-    """Each transformer block's forward compiled (--compile) and recomputed in backward (--activation_checkpointing).
-    Block by block, as torchtitan does: a model compiled whole runs its backward as one autograd node, so DDP's
-    gradient hooks would fire only after all of backward, and FSDP's module hooks would break the graph. A recomputed
-    block keeps only its input; the strategy's hooks have made its weights available again when backward reaches it."""
+    """Each block's forward compiled (--compile) and recomputed in backward (--activation_checkpointing), block by block
+    as torchtitan does: compiled whole, backward is one autograd node (DDP's gradient hooks would fire after all of it,
+    FSDP's module hooks break the graph). A recomputed block keeps its input; hooks have its weights back by then."""
     for module in model.modules():
         if isinstance(module, gpt.Block):
             forward = torch.compile(module.forward) if compile else module.forward
@@ -461,8 +467,7 @@ def wrap_blocks(model, compile=False, activation_checkpointing=False):
 
 
 def recomputed(forward):
-    """forward, under torch's non-reentrant checkpoint when autograd records: the recompute restores the default
-    generators, so it draws every dropout mask again as it was."""
+    """forward under torch's non-reentrant checkpoint while autograd records; the recompute replays its dropout."""
     def checkpointed(*args):
         if not torch.is_grad_enabled():  # evaluation and sampling: nothing to save, nothing to recompute
             return forward(*args)
@@ -499,9 +504,8 @@ def estimate_loss(model, sampler, iters, autocast, dp_group=None):
 
 
 def sampling_hooks(model, multiple, gather):
-    """Sampling from a tensor-parallel model (train_tp.py's, train_2d.py's, torch_reference.py's): generate() calls
-    model(idx) at any length and wants whole logits. Pad idx to a `multiple` of the sequence shards (causal: the padding
-    never reaches a real position), gather the logits' vocabulary slices (`gather`), drop the padding."""
+    """generate() from a tensor-parallel model (train_tp.py's, train_2d.py's, torch_reference.py's), at any length: pad
+    idx to a `multiple` of the sequence shards (causal: no real position sees it), `gather` the logits, drop the pad."""
     def pad(module, args):
         module.sequence_length = args[0].shape[1]
         if module.sequence_length % multiple:  # a prompt, not a training batch: no copy of idx every step
@@ -552,8 +556,7 @@ class Logger:
 
     def __init__(self, args, config, device, rank=0, world_size=1):
         self.args, self.device, self.world_size = args, device, world_size
-        self.writes = rank == 0
-        self.prints = rank == 0 or args.log_all_ranks
+        self.writes, self.prints = rank == 0, rank == 0 or args.log_all_ranks
         self.prefix = f"[rank {rank}] " if args.log_all_ranks else ""
         with torch.device("meta"):  # the whole model's counts, whatever part of it this rank holds
             model = gpt.GPT(config)
