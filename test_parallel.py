@@ -3526,7 +3526,7 @@ def test_export_then_init_from_gives_the_same_logits(corpus, corpus_300, llama_l
     assert {name: tuple(t.shape) for name, t in stored.items()} == {n: tuple(t.shape) for n, t in expected.items()}
     for name, value in ours.items():  # the padding rows were left behind: the real ones are the checkpoint's
         rows = config.vocab_size if name in ("wte.weight", "lm_head.weight") else len(value)
-        assert torch.equal(value[:rows], found.full(name)[:rows]), name
+        assert torch.equal(value[:rows], full_tensor(found, name)[:rows]), name
     with open(os.path.join(folder, "config.json")) as f:
         assert hugging_face.config_from_hugging_face(json.load(f), config.block_size, config.dropout) == config
     idx = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
