@@ -89,7 +89,6 @@ def get_parser(description, strategy="single"):
     add("--plan", action="store_true", help="print the memory one rank needs, item by item, and exit: no training")
     add("--world_size", type=positive_int, help="--plan: the ranks to plan for (default: torchrun's WORLD_SIZE, or 1)")
     add("--gpu_memory", type=positive, default=80, help="--plan: one GPU's memory, in GB (10^9 bytes)")
-    p.shared = len(p._actions)  # a script's own flags come after these
     return p
 
 
@@ -97,7 +96,8 @@ def parse(parser, argv):
     """A script's flags; --out_dir by default out/<strategy>, then each own flag set away from its default (README)."""
     parser.set_defaults(out_dir=None)  # one given wins
     args = parser.parse_args(argv)
-    own = [(a.dest, vars(args)[a.dest]) for a in parser._actions[parser.shared:] if a.default is not None]
+    shared = {action.dest for action in get_parser(None)._actions}  # the flags every script has
+    own = [(a.dest, vars(args)[a.dest]) for a in parser._actions if a.dest not in shared and a.default is not None]
     names = [value if isinstance(value, str) else name if value is True else f"{name}{value}"
              for name, value in own if value != parser.get_default(name)]
     args.out_dir = args.out_dir or "-".join([f"out/{args.strategy}", *names])
@@ -255,7 +255,6 @@ def get_device(args, local_rank=0):
         share = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(int(os.environ.get("HOST_THREADS", max(1, share))))
     return device
-
 
 
 def init_distributed(args, device):
