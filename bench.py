@@ -107,7 +107,8 @@ def memory_held(measured):
     bytes of parameters, gradients and optimizer state after the first optimizer step, and of the tensors autograd
     saves for backward during the first micro-batch's forward ("activations"), each storage once. Our FSDP's
     gathered `full` buffers are weights, freed after use, and the rank's parameters are never activations; a
-    checkpointed block's inputs are (torch's checkpoint saves them)."""
+    checkpointed block's inputs are (torch's checkpoint saves them). With our FSDP, "gathered weights": the most
+    bytes of gathered units at once while that forward saves (a unit and the next one's prefetch)."""
     from torch.distributed.tensor import DTensor
 
     saved, parameters, flats = {}, set(), []  # flats: our FSDP's, whose gathered `full` buffers are weights
@@ -116,8 +117,11 @@ def memory_held(measured):
 
     def keep(tensor):
         storage = local(tensor).untyped_storage()
-        if storage.data_ptr() not in parameters | {flat.full.data_ptr() for flat in flats if flat.is_gathered()}:
+        gathered = {flat.full.data_ptr(): flat.full.untyped_storage().nbytes() for flat in flats if flat.is_gathered()}
+        if storage.data_ptr() not in parameters | gathered.keys():
             saved[storage.data_ptr()] = storage.nbytes()
+        if flats:
+            measured["gathered weights"] = max(measured.get("gathered weights", 0), sum(gathered.values()))
         return tensor
 
     real_wrap_blocks = training.wrap_blocks

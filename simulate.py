@@ -12,6 +12,7 @@ sampled, and the last step's checkpoint goes to a temporary folder. Then it prin
 
 import importlib
 import os
+import shutil
 import sys
 import tempfile
 
@@ -19,58 +20,59 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import bench
 import checkpoint
-import training
 
 
 def simulate(script, argv, rank, world_size, node=8):
-    """script's main(argv) as rank `rank` of `world_size` (`node` ranks a node): {what: bytes} this rank measured."""
+    """script's main(argv) as rank `rank` of `world_size` (`node` ranks a node): {what: bytes} this rank measured.
+    bench.memory_held's measures (model states after the first step, the first micro-batch's activations and gathered
+    weights); under --cpu_offload the host arenas FSDP pins (on CUDA) and the optimizer's pageable state; the
+    checkpoint file."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % node), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(min(node, world_size)))
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    measured, saved = {}, {}
-    real = dist.new_group, checkpoint.check_finite, training.make_optimizer, torch.Tensor.backward
+    measured, arenas = {}, []
+    module = importlib.import_module(os.path.basename(script).removesuffix(".py"))
+    fsdp = sys.modules.get("train_fsdp")  # imported by the scripts that shard with it
+    real = dist.new_group, checkpoint.check_finite, fsdp and fsdp.host_memory
 
     def new_group(*args, backend=None, **kwargs):  # the saves' gloo group: the fake world has no gloo
         return real[0](*args, **kwargs)
 
-    def make_optimizer(*args):  # the model states, measured as the first step begins (gradients) and ends (AdamW's)
-        optimizer = real[2](*args)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        step = optimizer.step
+    def host_memory(sizes):  # what CUDA would pin: each arena's whole storage
+        pieces = real[2](sizes)
+        arenas.extend(pieces[:1])
+        return pieces
 
-        def measured_step(*step_args, **step_kwargs):
-            measured.setdefault("parameters", sum(p.nbytes for p in params))
-            measured.setdefault("gradients", sum(p.grad.nbytes for p in params if p.grad is not None))
-            step(*step_args, **step_kwargs)
-            measured.setdefault("AdamW state", sum(t.nbytes for state in optimizer.state.values()
-                                                   for t in state.values()))
+    def after_step(optimizer):  # the optimizer's state outside the arenas: pageable host memory under --cpu_offload
+        pinned = {arena.untyped_storage().data_ptr() for arena in arenas}
+        measured.setdefault("host, pageable (optimizer state)", sum(
+            t.nbytes for state in optimizer.state.values() for t in state.values()
+            if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in pinned))
 
-        optimizer.step = measured_step
-        return optimizer
-
-    def pack(tensor):  # what autograd saves for backward, each storage once, until the backward that frees it
-        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        measured["peak saved for backward"] = max(measured.get("peak saved for backward", 0), sum(saved.values()))
-        return tensor
-
-    def backward(*args, **kwargs):
-        real[3](*args, **kwargs)
-        saved.clear()
-
-    module = importlib.import_module(os.path.basename(script).removesuffix(".py"))
     out_dir = tempfile.mkdtemp(prefix="simulate-")
     flags = ["--sample_tokens", "0", "--eval_interval", "0", "--ckpt_interval", "0", "--out_dir", out_dir]
-    dist.new_group, training.make_optimizer, torch.Tensor.backward = new_group, make_optimizer, backward
-    checkpoint.check_finite = lambda *args: None
+    dist.new_group, checkpoint.check_finite = new_group, lambda *args: None
+    if fsdp:
+        fsdp.host_memory = host_memory
+    handles = bench.after_each_step(after_step) if "--cpu_offload" in argv else []
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with bench.memory_held(measured):
             module.main(argv + flags)
+        files = [os.path.join(folder, name) for folder, _, names in os.walk(out_dir) for name in names
+                 if "rank" in name]
+        measured["checkpoint file"] = sum(os.path.getsize(path) for path in files)
     finally:
-        dist.new_group, checkpoint.check_finite, training.make_optimizer, torch.Tensor.backward = real
+        dist.new_group, checkpoint.check_finite = real[:2]
+        if fsdp:
+            fsdp.host_memory = real[2]
+        for handle in handles:
+            handle.remove()
         dist.destroy_process_group()
-    files = [os.path.join(folder, name) for folder, _, names in os.walk(out_dir) for name in names if "rank" in name]
-    measured["checkpoint file"] = sum(os.path.getsize(path) for path in files)
+        shutil.rmtree(out_dir, ignore_errors=True)
+    if arenas:
+        measured["host, pinned (arenas)"] = sum(arena.untyped_storage().nbytes() for arena in arenas)
     return measured
 
 

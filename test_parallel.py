@@ -3788,35 +3788,54 @@ def _memory_held(main, argv):
 
 
 
-SIMULATED_MODEL = "llama3.2-1b"  # Llama 3.1 8B's step takes minutes on one core here: the same shapes' rules, 16 layers
-SIMULATED = {  # script, the rank simulated of 64, its flags, the Layout's (strategy, dp, tp, replicate)
-    "fsdp-rank-0": ("train_fsdp.py", 0, [], ("fsdp", 64, 1, 1)),
-    "2d-rank-0": ("train_2d.py", 0, ["--tp", "8", "--dp", "8"], ("2d", 8, 8, 1)),
-    "2d-rank-63": ("train_2d.py", 63, ["--tp", "8", "--dp", "8"], ("2d", 8, 8, 1)),
-    "hsdp-rank-0": ("train_fsdp.py", 0, ["--replicate", "8"], ("fsdp", 64, 1, 8)),
+# Llama 3.1 8B where tensor parallelism divides a rank's compute by 8 (~35 s a case on an idle machine, mostly the
+# kernel zeroing the pages of each unit's fresh gathered, gradient and reduce-scatter buffers). Where a rank computes
+# the whole model (tp 1), Llama 3.2 1B: 8B's step at 16 tokens took 195 s (2 min 7 s of it system time, those pages),
+# and HSDP's rank of 8B holds 1/8 of it, 16 GB of model states. The same shapes' rules either way.
+SIMULATED = {  # script, the model, the rank simulated of 64, its flags, the Layout's (strategy, dp, tp, replicate)
+    "fsdp-rank-0-cpu-offload": ("train_fsdp.py", "llama3.2-1b", 0, ["--cpu_offload"], ("fsdp", 64, 1, 1)),
+    "2d-rank-0": ("train_2d.py", "llama3.1-8b", 0, ["--tp", "8", "--dp", "8"], ("2d", 8, 8, 1)),
+    "2d-rank-63": ("train_2d.py", "llama3.1-8b", 63, ["--tp", "8", "--dp", "8"], ("2d", 8, 8, 1)),
+    "hsdp-rank-0": ("train_fsdp.py", "llama3.2-1b", 0, ["--replicate", "8"], ("fsdp", 64, 1, 8)),
 }
 
 
 @pytest.mark.parametrize("case", list(SIMULATED))
 def test_a_simulated_rank_of_64_holds_the_planned_model_states(corpus, case):
     """simulate.py runs the script as one rank of 64 through the fake process group (in its own process: the group
-    and RANK are its own), Llama 3.2 1B with the corpus' 256 tokens for a vocabulary (the plan reads it from
-    meta.json as the run does) and 16 tokens a sequence, one step: its parameters, gradients and AdamW state are
-    plan.py's model states to the byte, from plan.parameter_plan with the scripts' own units and TP rule."""
-    script, rank, extra, (strategy, dp, tp, replicate) = SIMULATED[case]
-    argv = ["--model", SIMULATED_MODEL, "--data", corpus, "--block_size", "16", "--global_batch", str(dp),
-            "--max_steps", "1", *extra]
+    and RANK are its own), with the corpus' 256 tokens for a vocabulary (the plan reads it from meta.json as the run
+    does) and 16 tokens a sequence, one step. Its parameters, gradients and AdamW state are plan.py's model states to
+    the byte, from plan.parameter_plan with the scripts' own units and TP rule; the first micro-batch's activations
+    (what autograd saved, gathered weights left out) and the gathered weights are the plan's within 10%; under
+    --cpu_offload the host arenas (pinned on CUDA) and AdamW's pageable state are plan.host_plan's to the byte."""
+    script, model, rank, extra, (strategy, dp, tp, replicate) = SIMULATED[case]
+    argv = ["--model", model, "--data", corpus, "--block_size", "16", "--global_batch", str(dp), "--max_steps", "1",
+            *extra]
     code = f"import json, simulate; print('MEASURED', json.dumps(simulate.simulate({script!r}, {argv!r}, {rank}, 64)))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    memory = {"TMPDIR": "/dev/shm"} if os.path.isdir("/dev/shm") else {}  # 8B's 1.3 GB checkpoint in memory: 17 s
+    # to a loaded disk
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1", **memory),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(done.stdout.split("MEASURED ")[-1])
-    config = gpt.make_config(SIMULATED_MODEL, 256, 16, 0.0)
-    layout = plan.Layout(strategy, 64, dp, tp, micro_batch=1, replicate=replicate)
-    params, tensors, *_ = plan.parameter_plan(config, layout, train_tp.is_sliced, train_fsdp.flat_parameter_groups)
+    config = gpt.make_config(model, 256, 16, 0.0)
+    layout = plan.Layout(strategy, 64, dp, tp, micro_batch=1, replicate=replicate, device="cpu",
+                         cpu_offload="--cpu_offload" in extra)
+    own = dict(sliced=train_tp.is_sliced, units=train_fsdp.flat_parameter_groups)  # the strategies' code
+    params, tensors, *_ = plan.parameter_plan(config, layout, **own)
     print(case, measured)
     planned = [size for _, size in plan.model_states(params, tensors)]
-    assert planned == [measured["parameters"], measured["gradients"], measured["AdamW state"]]
+    assert planned == [measured["parameters"], measured["gradients"], measured["optimizer"]]
+    rows = plan.plan_memory(config, layout, **own)
+    for kinds, what in [(("activations", "embeddings", "loss"), "activations"), (("gathered",), "gathered weights")]:
+        size = sum(size for item, size in rows if item.startswith(kinds))
+        print(f"{case}: {what} planned {size:,} bytes, measured {measured[what]:,}")
+        assert abs(size - measured[what]) <= ACTIVATION_TOLERANCE * measured[what]
+    if layout.cpu_offload:
+        host = plan.host_plan(config, layout, own["units"], own["sliced"])
+        assert [measured["host, pinned (arenas)"], measured["host, pageable (optimizer state)"]] == [
+            sum(size for item, size in host if not item.startswith("AdamW")),
+            sum(size for item, size in host if item.startswith("AdamW"))]
 
 
 BF16_PLANNED = ["single", "fsdp", "2d-sequence-parallel"]  # bf16 is slow on CPU: the three kinds of autocast rules
