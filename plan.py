@@ -218,6 +218,25 @@ def host_plan(config, layout, units=None, sliced=None):
     return model_states(params, tensors)
 
 
+def save_staging(config, layout, sliced=None, units=None):
+    """Host bytes one rank stages while it saves a checkpoint, at most: torch.save copies a device storage to the host
+    one at a time, and each piece a rank writes (a parameter's part, each moment's over it) is a storage of its own
+    (checkpoint.piece), so the largest one on the device; host tensors (--cpu_offload's shards and moments) are
+    written where they lie, without a copy."""
+    fsdp = layout.strategy in ("fsdp", "2d")
+    if fsdp and layout.cpu_offload:
+        return 0
+    sizes = local_sizes(config, layout.tp, sliced)
+    if not fsdp:  # whole parameters (TP: this rank's slices), written by the lowest rank holding each
+        return 4 * max(sizes.values())
+    ranks = layout.dp // layout.replicate  # a parameter's part is what of it lies in this rank's shard of its unit
+    if units is None:
+        raise ValueError("an FSDP layout needs the strategy's own units: pass units=train_fsdp.flat_parameter_groups")
+    groups = [group for kinds in units(model_on_meta(config)) for group in kinds.values()]
+    return 4 * max(min(sizes[name], -(-sum(sizes[other] for other, _, _ in group) // ranks))
+                   for group in groups for name, _, _ in group)
+
+
 def plan_memory(config, layout, sliced=None, units=None, buckets=None):
     """[(item, bytes)] one rank holds at its peak in this layout: what lives all run, one micro-batch's saved
     activations, and what exists at once during a step (gathered units, logits and their gradient). sliced, units and
@@ -582,19 +601,22 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
     for item, size in rows + [("total, one rank", total)]:
         say(f"  {item:66} {format_bytes(size):>11}")
     say(plan_verdict(total, args.gpu_memory, layout, rows))
+    node = min(GPUS_PER_NODE, world_size)  # ranks sharing a host
     if layout.cpu_offload and layout.strategy in ("fsdp", "2d"):
         host = host_plan(config, layout, units, sliced)
-        node = min(GPUS_PER_NODE, world_size)
         pinned = sum(size for item, size in host if not item.startswith("AdamW"))  # the two arenas
         say("host memory (--cpu_offload): shards and gradients pinned, AdamW's state pageable:")
         for item, size in host + [("total, one rank", sum(size for _, size in host)),
                                   (f"total, a node of {node} ranks", node * sum(size for _, size in host)),
                                   (f"of which pinned, a node of {node} ranks", node * pinned)]:
             say(f"  {item:66} {format_bytes(size):>11}")
+    staged = save_staging(config, layout, sliced, units)
+    say(f"saving a checkpoint, host memory staged: {format_bytes(staged)} a rank, {format_bytes(node * staged)} a node "
+        f"of {node} (at most its largest piece on the device; host tensors are written where they lie)")
     return rows
 
 
-GPUS_PER_NODE = 8  # ranks a node shares host memory between, under --cpu_offload
+GPUS_PER_NODE = 8  # ranks a node shares host memory between: --cpu_offload's states, a save's staging
 
 
 FITS_PRESETS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-125m", "gpt3-350m", "gpt3-760m", "gpt3-1.3b",
