@@ -1,13 +1,14 @@
 """
 One rank of a big run, checked on a CPU before a cluster sees it:
 
-    python simulate.py 0/64 train_fsdp.py --model llama3.1-8b --data data/llama --block_size 64 --max_steps 2
+    python simulate.py 63/64 train_2d.py --tp 8 --dp 8 --model llama3.1-8b --data data/llama --block_size 16 \
+        --global_batch 8 --max_steps 1
 
-runs the script as rank 0 of a world of 64 through torch's fake process group: every collective returns at once and
+runs the script as rank 63 of a world of 64 through torch's fake process group: every collective returns at once and
 leaves its buffers as they were, so the numbers mean nothing while the shards, buffers and activations are the real
 run's sizes. The divergence guard is off (a gathered unit holds whatever its buffer held), nothing is evaluated or
-sampled, and the last step's checkpoint goes to a temporary folder. Then it prints what the rank measured beside what
---plan plans for it.
+sampled, and the last step's checkpoint goes to a temporary folder, removed once measured. Then it prints what the
+rank measured beside what --plan plans for it.
 """
 
 import importlib
@@ -16,7 +17,6 @@ import shutil
 import sys
 import tempfile
 
-import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -84,7 +84,7 @@ def main():
     measured = simulate(script, argv, rank, world_size)
     print(f"rank {rank} of {world_size}, measured:")
     for what, size in measured.items():
-        print(f"  {what:<28} {size:>18,} bytes")
+        print(f"  {what:<34} {size:>18,} bytes")
     print("--plan:")
     importlib.import_module(os.path.basename(script).removesuffix(".py")).main(
         argv + ["--plan", "--world_size", str(world_size)])
