@@ -2212,6 +2212,26 @@ def test_fsdp_cpu_offload_holds_one_arena_of_shards_and_one_of_gradients_and_cli
         assert temporaries == [], temporaries
 
 
+class FailingRuntime:
+    """torch.cuda.cudart()'s stand-in on CPU: its error enum and strings, and a cudaHostRegister that fails."""
+    class cudaError(int):
+        success = 0
+
+    cudaGetErrorString = staticmethod(lambda error: "out of memory")
+    cudaHostRegister = staticmethod(lambda pointer, size, flags: FailingRuntime.cudaError(2))
+
+
+def test_fsdp_cpu_offload_raises_when_the_driver_does_not_pin_its_arena(monkeypatch):
+    """--cpu_offload registers each host arena with the driver (cudaHostRegister): a registration that fails raises,
+    where ignoring its return code would leave the arena pageable and every copy to the device synchronous. Here the
+    runtime is a stand-in (CPU has none); not yet run on a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FailingRuntime)
+    monkeypatch.setattr(torch.cuda, "_cudart", FailingRuntime, raising=False)
+    with pytest.raises(torch.cuda.CudaError, match=r"out of memory \(2\)"):
+        train_fsdp.host_memory([3, 5])
+
+
 def _local_parameters_by_name():
     config = gpt.make_config("tiny", vocab_size=256, block_size=32)
     model, fsdp, _ = _build(config)
