@@ -157,9 +157,9 @@ def flat_parameter_groups(module, units=None):
 
 
 class FullyShardedDataParallel(nn.Module):
-    """ZeRO-3 on any nn.Module: each unit (unit_modules) gathered to compute in `compute_dtype`, prefetching the next;
-    shards, AdamW, gradient reduction float32 (cpu_offload: on the host). initial_value as training.initial_values';
-    tp_boxes: train_2d.py's; replicate_group: HSDP's. Its parameters are the shards; parts(), gradients(): spans."""
+    """ZeRO-3 on any nn.Module: each unit (unit_modules) gathered to compute, prefetching the next; its matrices in
+    `compute_dtype`, the rest, shards, AdamW, gradient reduction float32 (cpu_offload: on the host). initial_value as
+    training.initial_values'; tp_boxes: train_2d.py's; replicate_group: HSDP's. parts(), gradients(): spans."""
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None,
                  cpu_offload=False):
