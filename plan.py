@@ -84,14 +84,16 @@ def local_sizes(config, tp=1, sliced=None):
 
 
 def flat_sizes(config, tp=1, sliced=None, units=None):
-    """[([elements of each FlatParameter], whether it stays gathered from forward to backward) for each FSDP unit, in
-    the order their forwards run]: units(model) groups the parameters as FSDP does; each FlatParameter holds this
-    tensor-parallel rank's part of its group, before padding. Kept, as train_fsdp.FullyShardedDataParallel.keep: the
-    last unit, whose backward comes next, and one holding a tied weight (a parameter with two uses)."""
+    """[([(elements, whether it is gathered in the compute dtype) of each FlatParameter], whether it stays gathered
+    from forward to backward) for each FSDP unit, in the order their forwards run]: units(model) groups the parameters
+    as FSDP does; each FlatParameter holds this tensor-parallel rank's part of its group, before padding. As
+    train_fsdp.FullyShardedDataParallel does: the matrices of every unit but the first (the embeddings') are gathered
+    in the compute dtype, the rest in float32; kept, the last unit, whose backward comes next, and one holding a tied
+    weight (a parameter with two uses)."""
     if units is None:
         raise ValueError("an FSDP layout needs the strategy's own units: pass units=train_fsdp.flat_parameter_groups")
     sizes, groups = local_sizes(config, tp, sliced), units(model_on_meta(config))
-    return [([sum(sizes[name] for name, _, _ in group) for group in kinds.values()],
+    return [([(sum(sizes[name] for name, _, _ in group), index > 0 and decay) for (_, decay), group in kinds.items()],
              index == len(groups) - 1 or any(len(uses) > 1 for group in kinds.values() for _, _, uses in group))
             for index, kinds in enumerate(groups)]
 
@@ -101,17 +103,20 @@ def flat_sizes(config, tp=1, sliced=None, units=None):
 
 
 def parameter_plan(config, layout, sliced=None, units=None):
-    """(elements of parameters this rank keeps, tensors its optimizer steps, [(elements of each gathered unit, whether
-    it stays gathered from forward to backward)] (FSDP), elements autocast copies to bfloat16 (the matmuls' weights
-    and biases))."""
+    """(elements of parameters this rank keeps, tensors its optimizer steps, [(elements of each gathered unit, its
+    bytes, whether it stays gathered from forward to backward)] (FSDP), elements autocast copies to bfloat16 (the
+    matmuls' weights and biases))."""
     sizes = local_sizes(config, layout.tp, sliced)
     cast = sum(n for name, n in sizes.items() if is_matmul_weight(name, config))
     if layout.strategy not in ("fsdp", "2d"):
         return sum(sizes.values()), len(sizes), [], cast
     ranks = layout.dp // layout.replicate  # the ranks one flat parameter is sharded over
-    shards = [([-(-n // ranks) for n in unit], kept) for unit, kept in flat_sizes(config, layout.tp, sliced, units)]
-    gathered = [(sum(unit) * ranks, kept) for unit, kept in shards]  # each shard padded to the same length
-    return sum(sum(unit) for unit, _ in shards), sum(len(unit) for unit, _ in shards), gathered, 0
+    e = 2 if layout.dtype == "bfloat16" else 4
+    shards = [([(-(-n // ranks), cast) for n, cast in unit], kept)
+              for unit, kept in flat_sizes(config, layout.tp, sliced, units)]
+    gathered = [(sum(n for n, _ in unit) * ranks, sum(n * (e if cast else 4) for n, cast in unit) * ranks, kept)
+                for unit, kept in shards]  # each shard padded to the same length
+    return sum(n for unit, _ in shards for n, _ in unit), sum(len(unit) for unit, _ in shards), gathered, 0
 
 
 def zero_buckets(config, layout, buckets):
@@ -157,30 +162,29 @@ def activation_plan(config, layout):
     """Bytes autograd saves for backward during one micro-batch's forward, as {item: bytes}; and the bytes one
     block's recompute and backward hold for a moment under --activation_checkpointing. Float32 is exact (measured on
     CPU, test_parallel.py). bfloat16 follows autocast's rules: each matmul saves its own bfloat16 copy of its
-    input; the residual stream stays float32 (the weights are) except under FSDP, whose weights are gathered in
-    bfloat16; a layer norm runs in float32 on CUDA (saving a float32 copy of its input), in its input's dtype on
-    CPU. Dropout masks count as CUDA keeps them, one byte an element. Llama: RMSNorm saves its input and 1/rms, and
-    on CPU, where it runs as elementwise ops, its normalised output too; q and k are saved rotated; grouped-query
-    attention saves narrower k and v; SwiGLU saves 4 tensors of the MLP's width where GELU saves 2."""
+    input; the residual stream and the layer norms stay float32 in every layout (the embeddings and norm gains are;
+    FSDP gathers them in float32). Dropout masks count as CUDA keeps them, one byte an element. Llama: RMSNorm saves
+    its input and 1/rms, and on CPU, where it runs as elementwise ops, its normalised output too; q and k are saved
+    rotated; grouped-query attention saves narrower k and v; SwiGLU saves 4 tensors of the MLP's width where GELU
+    saves 2."""
     b, s, h, L = layout.micro_batch, config.block_size, config.n_embd, config.n_layer
     t, e = layout.tp, (2 if layout.dtype == "bfloat16" else 4)
     kv, ffn = config.n_kv_head * config.head_dim, config.mlp_hidden  # key/value width, the MLP's width
     shard = t if layout.sequence_parallel else 1  # the residual stream is split over the sequence under SP
-    low_precision_norms = e == 2 and layout.strategy in ("fsdp", "2d") and layout.device == "cpu"
-    residual = b * (s // shard) * h * (2 if e == 2 and layout.strategy in ("fsdp", "2d") else 4)  # a block's input
+    residual = b * (s // shard) * h * 4  # a block's input
     if config.rms_norm:  # input (and on CPU the normalised output), 1/rms
         norm = ((1 + (layout.device == "cpu")) * b * (s // shard) * h + b * (s // shard))
     else:  # input, mean, 1/std
         norm = b * (s // shard) * h + 2 * b * (s // shard)
-    norm *= 2 if low_precision_norms else 4
+    norm *= 4
     linears = 5 if config.swiglu else 4  # the column-parallel linears: q, k, v, (gate,) fc
-    cast_before = low_precision_norms or (e == 2 and layout.strategy in ("tp", "2d"))  # norms' outputs, or TP's f
+    cast_before = e == 2 and layout.strategy in ("tp", "2d")  # TP's f casts the norms' outputs once for its linears
     saved_kv = h if config.dropout else kv  # gpt.py's explicit attention keeps k and v repeated for every query head
     block = (2 * norm  # the two layer norms
              + (4 if cast_before else 8 if e == 4 else 2 * linears) * b * s * h  # the column-parallel linears'
              # inputs, whole sequence (SP gathers it): in float32 q, k and v share one, (gate and) fc another
-             # (2 x 4 bytes), in bfloat16 each linear casts its own (2 bytes each), unless the layer norms' outputs
-             # are bfloat16 already or f cast them (2 x 2 bytes)
+             # (2 x 4 bytes), in bfloat16 each linear casts its own (2 bytes each), unless TP's f cast them
+             # (2 x 2 bytes)
              + (2 * h + 2 * saved_kv) * b * s // t * e  # q, k, v and the attention output, this rank's heads
              + (b * (config.n_head // t) * s * s * (5 + e) if config.dropout  # gpt.py's explicit attention: the
                 # float32 probabilities, their dropout mask, and the dropped ones as the next matmul reads them
@@ -245,8 +249,8 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
     if layout.cp > 1:
         return context_parallel_plan(config, layout)
     params, tensors, gathered, cast = parameter_plan(config, layout, sliced, units)
-    largest = max((n for n, _ in gathered), default=0)  # FSDP: the largest unit, and the largest gathered for each use
-    others = [n for n, kept in gathered if not kept]  # gathered for each use, the one computing with the next one
+    largest = max((n for n, _, _ in gathered), default=0)  # FSDP: the largest unit's elements
+    others = [size for _, size, kept in gathered if not kept]  # gathered for each use, the one computing with the next
     moving = max([a + b for a, b in zip(others, others[1:])] or others or [0])
     activations, recompute = activation_plan(config, layout)
     e = 2 if layout.dtype == "bfloat16" else 4
@@ -260,22 +264,26 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
                 ("a float32 gradient shard, reduce-scattered, before its copy out", 4 * shard)]
     if layout.strategy == "zero":
         rows = zero_states(config, layout, buckets)
+    head = config.padded_vocab_size * config.n_embd // layout.tp
     if e == 2 and not fsdp:  # autocast's copies, saved by the matmuls; checkpointed blocks recast theirs
-        head = config.padded_vocab_size * config.n_embd // layout.tp
         one_block = (cast - head) // config.n_layer
         rows.append(("bfloat16 copies of the weights, saved for backward (autocast)",
                      2 * (head if layout.activation_checkpointing else cast)))
         recompute += 2 * one_block if layout.activation_checkpointing else 0
+    if e == 2 and fsdp and config.tie_embeddings:  # the LM head's weight is wte, gathered in float32 for its lookup
+        rows.append(("bfloat16 copies of the weights: the tied LM head's (autocast)", 2 * head))
     rows += list(activations.items())
     if recompute:
         rows.append(("one block recomputed in backward (--activation_checkpointing)", recompute))
     if fsdp:
-        kept = sum(kept for _, kept in gathered)  # the last unit, and (tied) the embeddings'
-        rows.append((f"gathered weights: {kept} unit{'s' * (kept > 1)} kept for backward, 2 others ({layout.dtype})"
-                     if layout.reshard else f"gathered weights: every unit ({layout.dtype})",
-                     e * (sum(n for n, kept in gathered if kept) + moving if layout.reshard else
-                          sum(n for n, _ in gathered))))
-        rows.append(("a unit's gradients, copied into its float32 reduce-scatter buffer", (e + 4) * largest))
+        kept = sum(kept for *_, kept in gathered)  # from forward to backward: the last unit, and (tied) the embeddings'
+        gathered_weights = f"gathered weights ({'bfloat16 matrices' if e == 2 else 'float32'}): "
+        rows.append((gathered_weights + f"{kept} unit{'s' * (kept > 1)} kept, 2 others"
+                     if layout.reshard else gathered_weights + "every unit",
+                     sum(size for _, size, kept in gathered if kept) + moving if layout.reshard else
+                     sum(size for _, size, _ in gathered)))
+        rows.append(("a unit's gradients, copied into its float32 reduce-scatter buffer",
+                     max((size + 4 * n for n, size, _ in gathered), default=0)))
     rows.append(("logits and their gradient", logits * (e + 4)))
     return rows
 
@@ -449,10 +457,10 @@ def fsdp_terms(config, steps, compute, tp, dp, backend, reshard, sliced, units, 
     gathers, gathered, scatters, scattered, averaged = 0, 0, 0, 0, 0
     for unit, kept in flat_sizes(config, tp, sliced, units):
         times = 1 if kept or not reshard else 2
-        for size in unit:
+        for size, cast in unit:  # as train_fsdp.py gathers it: the blocks' and the head's matrices in `compute`
             shard = -(-size // ranks)
             gathers += times
-            gathered += times * sent("all_gather", compute * shard, ranks, backend)
+            gathered += times * sent("all_gather", (compute if cast else 4) * shard, ranks, backend)
             scatters += 1
             scattered += sent("reduce_scatter", 4 * shard * ranks, ranks, backend)
             averaged += sent("all_reduce", 4 * shard, replicate, backend)

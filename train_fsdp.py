@@ -42,19 +42,19 @@ def host_memory(sizes):
     """One host arena cut into tensors of `sizes` elements, pinned where CUDA is by registering it with the driver:
     torch's caching host allocator would round it up to a power of two and keep it. On CPU plain memory, same code."""
     memory = torch.empty(sum(sizes))
-    if torch.cuda.is_available() and memory.numel():
-        torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.nbytes, 0)
+    if torch.cuda.is_available() and memory.numel():  # raises if it fails: pageable memory would make copies block
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.nbytes, 0))
     return memory.split(sizes)
 
 
 class FlatParameter:
     """One unit's parameters of one kind end to end, padded to a multiple of N: this rank keeps 1/N, `shard` (float32).
-    `full`, the whole in the compute dtype, has storage from each all-gather to its use's end (autograd's saved views
-    see it again once refilled). Built in three steps: the layout (shard_layout), materialise, take_over."""
-    def __init__(self, entries, wrapper):
-        self.wrapper, self.world, self.full, self.gathering = wrapper, dist.get_world_size(wrapper.group), None, None
-        self.shard_size, self.padding, spans = shard_layout([param.numel() for _, param, _ in entries], self.world,
-                                                            dist.get_rank(wrapper.group))
+    `full`, the whole in `dtype`, has storage from each all-gather to its use's end (autograd's saved views see it
+    again once refilled). Built in three steps: the layout (shard_layout), materialise, take_over."""
+    def __init__(self, entries, wrapper, dtype):
+        self.wrapper, self.dtype, self.full, self.gathering = wrapper, dtype, None, None
+        self.world, sizes = dist.get_world_size(wrapper.group), [param.numel() for _, param, _ in entries]
+        self.shard_size, self.padding, spans = shard_layout(sizes, self.world, dist.get_rank(wrapper.group))
         self.params = [FlatMember(name, p.shape, uses, *where) for (name, p, uses), where in zip(entries, spans)]
         self.decay, self.requires_grad = entries[0][1].dim() >= 2, entries[0][1].requires_grad  # one kind a buffer
 
@@ -85,7 +85,7 @@ class FlatParameter:
         if not self.is_gathered():
             wrapper, stream = self.wrapper, self.wrapper.gather_stream
             self.full = self.full if self.full is not None else torch.empty(
-                self.shard_size * self.world, dtype=wrapper.compute_dtype, device=wrapper.device)
+                self.shard_size * self.world, dtype=self.dtype, device=wrapper.device)
             self.full.untyped_storage().resize_(self.full.nbytes)
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream())
@@ -157,14 +157,14 @@ def flat_parameter_groups(module, units=None):
 
 
 class FullyShardedDataParallel(nn.Module):
-    """ZeRO-3 on any nn.Module: each unit (unit_modules) gathered to compute in `compute_dtype`, prefetching the next;
-    shards, AdamW, gradient reduction float32 (cpu_offload: on the host). initial_value as training.initial_values';
-    tp_boxes: train_2d.py's; replicate_group: HSDP's. Its parameters are the shards; parts(), gradients(): spans."""
+    """ZeRO-3 on any nn.Module: each unit (unit_modules) gathered to compute, prefetching the next; its matrices in
+    `compute_dtype`, the rest, shards, AdamW, gradient reduction float32 (cpu_offload: on the host). initial_value as
+    training.initial_values'; tp_boxes: train_2d.py's; replicate_group: HSDP's. parts(), gradients(): spans."""
     def __init__(self, module, units=None, process_group=None, device="cpu", compute_dtype=torch.float32,
                  reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None,
                  cpu_offload=False):
         super().__init__()
-        self.module, self.device, self.compute_dtype = module, torch.device(device), compute_dtype
+        self.module, self.device = module, torch.device(device)
         self.reshard_after_forward = reshard_after_forward
         self.group, self.replicate_group = process_group or dist.group.WORLD, replicate_group
         self.gather_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -173,8 +173,10 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError("the module is on meta: pass initial_value to say what its parameters start as")
         initial_value = initial_value or (lambda name, _, __, flat: params[name].detach().reshape(-1)[slice(*flat)])
         holders = unit_modules(module, units)
-        self.units = [[FlatParameter(entries, self) for entries in kinds.values()]
-                      for kinds in flat_parameter_groups(module, units)]
+        # What autocast casts (matrices a matmul reads) in compute_dtype; embeddings (unit 0), norms, biases float32
+        self.units = [[FlatParameter(entries, self, compute_dtype if index and decay else torch.float32)
+                       for (_, decay), entries in kinds.items()]
+                      for index, kinds in enumerate(flat_parameter_groups(module, units))]
         self.flats = [flat for unit in self.units for flat in unit]
         sizes = [flat.shard_size for flat in self.flats]  # --cpu_offload: one host arena of shards, one of gradients
         shards = host_memory(sizes) if cpu_offload else [torch.empty(n, device=device) for n in sizes]
@@ -277,8 +279,7 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm, counted=None, group=None):
         """The model's gradient norm, summed over `group`, of the parameters this rank counts (default: all)."""
         grads = [grad for name, grad in self.gradients() if counted is None or counted(name)]
-        norms = torch._foreach_norm(grads)  # each rank's threads, and no squared copy of any gradient
-        total = (torch.stack(norms).square().sum() if norms else torch.zeros(())).to(self.device)
+        total = nn.utils.get_total_norm(grads, foreach=True).to(self.device) ** 2  # one kernel a device and dtype
         dist.all_reduce(total, group=group or self.group)  # the squared norm of the whole model, on the device
         norm = total.sqrt()
         nn.utils.clip_grads_with_norm_(list(self.shards), max_norm, norm)
@@ -291,10 +292,9 @@ class FullyShardedDataParallel(nn.Module):
 def hybrid_groups(replicate):
     """This rank's (shard group: world / replicate consecutive ranks, a node; replicate group: the ranks at its place
     in every shard group). dist.new_group is collective: every rank creates every group."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    shards = world // replicate
+    rank, shards = dist.get_rank(), dist.get_world_size() // replicate
     shard_groups = [dist.new_group(list(range(r * shards, (r + 1) * shards))) for r in range(replicate)]
-    replicate_groups = [dist.new_group(list(range(s, world, shards))) for s in range(shards)]
+    replicate_groups = [dist.new_group(list(range(s, shards * replicate, shards))) for s in range(shards)]
     return shard_groups[rank // shards], replicate_groups[rank % shards]
 
 
