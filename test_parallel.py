@@ -60,6 +60,7 @@ import gpu_check  # noqa: E402
 import hugging_face  # noqa: E402
 import plan  # noqa: E402
 import train_2d  # noqa: E402
+import train_4d  # noqa: E402
 import prepare_data  # noqa: E402
 import sample  # noqa: E402
 import train_cp  # noqa: E402
@@ -505,7 +506,7 @@ def _advertised_commands():
     script."""
     texts = [*documentation().values(), *(open(os.path.join(HERE, name)).read() for name in
                                           ("train_single.py", "train_ddp.py", "train_zero.py", "train_fsdp.py",
-                                           "train_tp.py", "train_2d.py", "train_cp.py"))]
+                                           "train_tp.py", "train_2d.py", "train_cp.py", "train_4d.py"))]
     lines = "\n".join(texts).replace("\\\n", " ").splitlines()
     return [line.split("#")[0] for line in lines if re.search(r"(torchrun|python) .*train_\w+\.py", line)]
 
@@ -525,10 +526,13 @@ def test_every_advertised_configuration_passes_the_layout_checks():
         model = option("--model", pretrained if pretrained in gpt.PRESETS else "tiny")
         vocab_size = 256 if model in ("tiny", "llama-tiny") else 128256 if model.startswith("llama") else 50257
         config = gpt.make_config(model, vocab_size, int(option("--block_size", 128)))
-        tp = {"tp": int(option("--tp", ranks)), "2d": int(option("--tp", 2))}.get(script, 1)
+        tp = {"tp": int(option("--tp", ranks)), "2d": int(option("--tp", 2)), "4d": int(option("--tp", 1))}
+        tp = tp.get(script, 1)
         training.check_tensor_parallel(config, tp, "--sequence_parallel" in command)
         if script == "2d":
             assert tp * int(option("--dp", ranks // tp)) == ranks, command
+        if script == "4d":  # --dp defaults to the ranks the other axes leave
+            assert ranks % math.prod(int(option(f"--{axis}", 1)) for axis in ("pp", "cp", "tp")) == 0, command
     readme = "\n".join(documentation().values()).replace("\n", " ")
     for preset, script, options in re.findall(r"`(tiny|gpt[23][\w.-]*|llama[\w.-]*)`[^`]*?`train_(\w+)\.py([^`]*)`",
                                               readme):
@@ -1095,8 +1099,8 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
         train_single.main(flags(corpus, tmp_path, **bad))
 
 
-SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, train_cp, prepare_data,
-           bench, gpu_check, bench_pipeline, sample]
+SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, train_cp, train_4d,
+           prepare_data, bench, gpu_check, bench_pipeline, sample]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.__name__)
@@ -4474,6 +4478,7 @@ def _printed(main, argv):
     (train_fsdp.main, 2, {}, "| FSDP |"), (train_fsdp.main, 4, dict(replicate=2), "| HSDP 2 x 2 |"),
     (train_tp.main, 2, {}, "| tensor parallel 2 "), (train_2d.main, 4, {}, "grid: 2 data-parallel x 2 tensor-parallel"),
     (train_pp.main, 2, {}, "pipeline: 2 stages"), (train_cp.main, 2, {}, "| 2 context-parallel (allgather) |"),
+    (train_4d.main, 2, {}, "grid: 2 data x 1 pipeline"),
 ])
 def test_every_scripts_first_line_names_its_strategy(corpus, shared_tmp, main, ranks, extra, strategy):
     """What a user sees first says which strategy runs: no two first lines alike but for the numbers."""
@@ -4604,6 +4609,8 @@ COPIED_WITH = {  # script -> the files beside it that its default run needs (REA
     "train_pp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
     "train_zero.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
     "train_cp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
+    "train_4d.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_tp.py", "train_fsdp.py",
+                    "train_pp.py", "train_cp.py", "train_ddp.py"],
 }
 
 
@@ -4634,7 +4641,7 @@ def test_the_readme_names_the_files_a_copied_script_needs():
     sentence = re.search(r"A script copied into another project needs ([^;]*);", text)
     assert sentence, "the README no longer says what a copied script needs"
     named = set(re.findall(r"`(\w+\.py)`", sentence.group(1)))
-    assert named == {"train_2d.py", "train_pp.py", "train_zero.py", "train_cp.py"} | {
+    assert named == {"train_2d.py", "train_pp.py", "train_zero.py", "train_cp.py", "train_4d.py"} | {
         name for files in COPIED_WITH.values() for name in files}, named
 
 
@@ -4723,7 +4730,8 @@ def test_what_a_reader_must_read_is_small():
     (twice nanoGPT's model.py and train.py, 8,200, plus what Llama's modules add); every other script at most 980 lines
     outside the train_*.py files; copying a script drags along at most 1,600 lines; each strategy core names no
     project module but gpt."""
-    for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_cp"]:
+    for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_cp",
+                   "train_4d"]:
         reach = reader_reach(script)
         outside = sum(lines for module, (lines, _) in reach.items() if not module.startswith("train_"))
         dragged = sorted(m for m in imported_at_module_level(script) if not m.startswith("train_"))
@@ -4744,16 +4752,17 @@ def test_what_a_reader_must_read_is_small():
         else:
             assert outside <= 980, reach
         assert dragged_lines <= 1600, dragged
-    for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp", "train_cp"]:
+    for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp", "train_cp", "train_4d"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
         named = {n.id for node in core for n in ast.walk(node) if isinstance(n, ast.Name)}
-        assert named & set(imports) <= {"gpt", "train_ddp", "train_fsdp", "train_tp"}, (script, named & set(imports))
+        assert named & set(imports) <= {"gpt", "train_ddp", "train_fsdp", "train_tp", "train_pp", "train_cp"}, script
 
 
 CORES = {"train_single.py": [], "train_ddp.py": [], "train_fsdp.py": [], "train_tp.py": [],  # script -> it composes
          "train_2d.py": ["train_tp.py", "train_fsdp.py"], "train_pp.py": ["train_ddp.py"],
-         "train_zero.py": ["train_ddp.py"], "train_cp.py": ["train_ddp.py"]}
+         "train_zero.py": ["train_ddp.py"], "train_cp.py": ["train_ddp.py"],
+         "train_4d.py": ["train_tp.py", "train_fsdp.py", "train_pp.py", "train_cp.py", "train_ddp.py"]}
 
 
 def test_a_strategy_core_needs_torch_and_gpt_alone(tmp_path):
@@ -6805,3 +6814,41 @@ def test_cp_resumes_from_and_into_other_layouts(corpus, shared_tmp, tmp_path_fac
     assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000006")
     reference = single_run(corpus, tmp_path_factory, model="tiny", block_size=CP_BLOCK_SIZE)
     assert_runs_match(read_run(str(shared_tmp)), reference)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ---- #43 4-D: data parallel (FSDP) x pipeline x context x tensor parallel, train_4d.py
+
+_4d_runs = {}
+
+
+def run_4d(corpus, tmp_path_factory, ranks, **overrides):
+    """train_4d.py on `ranks` ranks, once per distinct flags per session: read_run's result."""
+    key = (ranks, tuple(sorted(overrides.items())))
+    if key not in _4d_runs:
+        out_dir = shared_folder(tmp_path_factory, "4d")
+        run_distributed(ranks, train_4d.main, flags(corpus, out_dir, **overrides))
+        _4d_runs[key] = read_run(str(out_dir))
+    return _4d_runs[key]
+
+
+FOUR_D_LAYOUTS = [  # (dp, pp, cp, tp), model, schedule: each axis at 1 once, both models and schedules
+    ((2, 2, 1, 2), "tiny", "gpipe"),
+    ((1, 2, 2, 2), "llama-tiny", "1f1b"),
+    ((2, 1, 2, 2), "tiny", "1f1b"),
+    ((2, 2, 2, 1), "llama-tiny", "gpipe"),
+    ((2, 2, 2, 2), "tiny", "1f1b"),
+    ((2, 2, 1, 2), "llama-tiny", "1f1b"),
+]
+
+
+@pytest.mark.parametrize("degrees, model, schedule", FOUR_D_LAYOUTS, ids=lambda value: "x".join(
+    f"{axis}{n}" for axis, n in zip(("dp", "pp", "cp", "tp"), value)) if isinstance(value, tuple) else value)
+def test_4d_matches_single(corpus, tmp_path_factory, degrees, model, schedule):
+    """6 steps, accumulation 16 / (2 x dp), clipping active: losses, validation losses, grad norms and the weights
+    equal train_single's."""
+    dp, pp, cp, tp = degrees
+    run = run_4d(corpus, tmp_path_factory, dp * pp * cp * tp, model=model, dp=dp, pp=pp, cp=cp, tp=tp,
+                 schedule=schedule)
+    assert_runs_match(run, single_run(corpus, tmp_path_factory, model=model))
+
