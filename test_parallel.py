@@ -6822,13 +6822,25 @@ def test_cp_resumes_from_and_into_other_layouts(corpus, shared_tmp, tmp_path_fac
 _4d_runs = {}
 
 
+def _train_4d(argv):
+    """train_4d.main on this rank; returns the tokens of its sample after training."""
+    real_generate, tokens = gpt.generate, []
+    gpt.generate = lambda *args, **kwargs: tokens.append(real_generate(*args, **kwargs)) or tokens[-1]
+    try:
+        train_4d.main(argv)
+    finally:
+        gpt.generate = real_generate  # a launched world runs in the test process
+    return tokens[0].numpy()
+
+
 def run_4d(corpus, tmp_path_factory, ranks, **overrides):
-    """train_4d.py on `ranks` ranks, once per distinct flags per session: read_run's result."""
+    """train_4d.py on `ranks` ranks, once per distinct flags per session, with a short sample at the end: (read_run's
+    result, each rank's sample tokens)."""
     key = (ranks, tuple(sorted(overrides.items())))
     if key not in _4d_runs:
         out_dir = shared_folder(tmp_path_factory, "4d")
-        run_distributed(ranks, train_4d.main, flags(corpus, out_dir, **overrides))
-        _4d_runs[key] = read_run(str(out_dir))
+        samples = run_distributed(ranks, _train_4d, flags(corpus, out_dir, sample_tokens=PP_SAMPLE_TOKENS, **overrides))
+        _4d_runs[key] = read_run(str(out_dir)), samples
     return _4d_runs[key]
 
 
@@ -6845,10 +6857,40 @@ FOUR_D_LAYOUTS = [  # (dp, pp, cp, tp), model, schedule: each axis at 1 once, bo
 @pytest.mark.parametrize("degrees, model, schedule", FOUR_D_LAYOUTS, ids=lambda value: "x".join(
     f"{axis}{n}" for axis, n in zip(("dp", "pp", "cp", "tp"), value)) if isinstance(value, tuple) else value)
 def test_4d_matches_single(corpus, tmp_path_factory, degrees, model, schedule):
-    """6 steps, accumulation 16 / (2 x dp), clipping active: losses, validation losses, grad norms and the weights
-    equal train_single's."""
+    """6 steps, accumulation 16 / (2 x dp), clipping active, at the test's usual tolerances: losses, validation losses
+    (through the pipeline, on each rank's chunks), grad norms (each element counted once: TP slices, replicated tensors
+    on TP rank 0, FSDP shards, the tied weight on the first stage) and the weights equal train_single's. The sample
+    after training, run through the pipeline with whole logits on every rank, is the one a single device draws from
+    single's final weights."""
     dp, pp, cp, tp = degrees
-    run = run_4d(corpus, tmp_path_factory, dp * pp * cp * tp, model=model, dp=dp, pp=pp, cp=cp, tp=tp,
-                 schedule=schedule)
-    assert_runs_match(run, single_run(corpus, tmp_path_factory, model=model))
+    run, samples = run_4d(corpus, tmp_path_factory, dp * pp * cp * tp, model=model, dp=dp, pp=pp, cp=cp, tp=tp,
+                          schedule=schedule)
+    reference = single_run(corpus, tmp_path_factory, model=model)
+    assert_runs_match(run, reference)
+    single = gpt.GPT(gpt.make_config(model, vocab_size=256, block_size=32))
+    single.init_weights(0, lambda name, shape: torch.from_numpy(reference.weights[name]))
+    prompt = torch.tensor([prepare_data.ByteTokenizer().encode("\n")])
+    expected = gpt.generate(single, prompt, PP_SAMPLE_TOKENS, 32, 256, temperature=0.8, top_k=40, seed=1234).numpy()
+    for tokens in samples:
+        np.testing.assert_array_equal(tokens, expected)
 
+
+def _refused_by_4d(argv):
+    """train_4d.main's refusal on this rank, which must come before its first collective."""
+    try:
+        train_4d.main(argv)
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("ranks, overrides, message", [
+    (4, dict(pp=2, cp=2, tp=2), "--dp 1 x --pp 2 x --cp 2 x --tp 2 = 8 ranks, but the world has 4"),
+    (2, dict(cp=2, block_size=30), "--cp 2 needs --block_size a multiple of 4, --dropout 0 and --attn sdpa"),
+    (2, dict(cp=2, dropout=0.1), "--cp 2 needs --block_size a multiple of 4, --dropout 0 and --attn sdpa"),
+    (3, dict(tp=3), "n_head (4) is not divisible by --tp 3"),
+    (5, dict(pp=5, global_batch=10), "--pp 5 stages, but the model has 4 layers"),
+])
+def test_4d_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path, ranks, overrides, message):
+    errors = run_distributed(ranks, _refused_by_4d, flags(corpus, tmp_path, **overrides))
+    assert all(error and message in error for error in errors), errors
