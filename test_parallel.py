@@ -6894,3 +6894,18 @@ def _refused_by_4d(argv):
 def test_4d_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path, ranks, overrides, message):
     errors = run_distributed(ranks, _refused_by_4d, flags(corpus, tmp_path, **overrides))
     assert all(error and message in error for error in errors), errors
+
+
+def test_4d_resumes_from_and_into_one_device(corpus, shared_tmp, tmp_path_factory):
+    """One run of 6 steps, checkpointed every 2: one device crashes at step 3; 2 stages x 2 context-parallel x 2
+    tensor-parallel ranks resume from step 2 (each reading its FSDP shard of its TP slices, both ends of a pipeline the
+    tied weight) and crash at step 5; one device resumes from step 4 (each rank's pieces, the tied weight the first
+    stage's) and finishes: train_single's 6 steps."""
+    argv = lambda **layout: flags(corpus, shared_tmp, ckpt_interval=2, **layout)  # noqa: E731
+    with one_thread():
+        assert _train_until(train_single.main, 3, argv()) == "crashed"
+    assert run_distributed(8, _train_until, train_4d.main, 5, argv(pp=2, cp=2, tp=2, resume=True)) == ["crashed"] * 8
+    with one_thread():
+        train_single.main(argv(resume=True))
+    assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000006")
+    assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory))
