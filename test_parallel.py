@@ -6909,3 +6909,27 @@ def test_4d_resumes_from_and_into_one_device(corpus, shared_tmp, tmp_path_factor
         train_single.main(argv(resume=True))
     assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000006")
     assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory))
+
+
+def _states_held_by_4d(argv):
+    """train_4d.main(argv) on this rank: the bytes of parameters, gradients and AdamW state it held."""
+    with bench.memory_held({}) as held, one_thread():
+        train_4d.main(argv)
+    return held["parameters"] + held["gradients"] + held["optimizer"]
+
+
+def test_4d_plan_counts_each_stages_shards_to_the_byte(corpus, shared_tmp, capsys):
+    """--plan knows train_4d.py: on 2 stages x 2 context-parallel x 2 tensor-parallel ranks, each rank's parameters,
+    gradients and AdamW state are its stage's TP slices in train_4d's FSDP units, each flat shard padded over the data
+    group (the 2 context-parallel ranks), as the planner counts them, to the byte; --plan prints the fullest stage."""
+    held = run_distributed(8, _states_held_by_4d, flags(corpus, shared_tmp, pp=2, cp=2, tp=2, max_steps=1))
+    config = gpt.make_config("tiny", 256, 32)
+    layout = plan.Layout("4d", 8, 1, 2, 2, pp=2, micro_batches=8, cp=2)
+    for rank, states in enumerate(held):
+        rows = plan.four_d_stage_plan(config, layout, rank // 4, train_pp.stage_layers, train_pp.schedule,
+                                      train_tp.is_sliced)
+        assert states == sum(size for _, size in rows[:3]), (rank, rows[:3])
+    rows = train_4d.main(["--plan", "--world_size", "16", "--dp", "2", "--pp", "2", "--cp", "2", "--tp", "2",
+                          "--block_size", "32"])
+    assert "4d on 16 ranks (dp 2 x tp 2 x cp 2, allgather x pp 2, 1f1b)" in capsys.readouterr().out
+    assert rows[0][0].startswith("stage ")

@@ -92,11 +92,13 @@ def main(argv=None):
     if cp > 1 and (args.block_size % (2 * cp) or args.dropout or args.attn == "flash"):
         raise training.UsageError(f"--cp {cp} needs --block_size a multiple of {2 * cp}, --dropout 0 and --attn sdpa "
                                   "(train_cp.py's chunks and attention over the ranks)")
-    if args.plan:
-        raise training.UsageError("--plan: not yet for train_4d.py")
     dp_rank, stage_index, cp_rank = rank // (pp * cp * tp), rank // (cp * tp) % pp, rank // tp % cp
     if args.micro_batch is None and args.global_batch % dp == 0:  # else training.load_data says what to change
         args.micro_batch = train_pp.pipelined_micro_batch(args.global_batch // dp, pp)
+    if args.plan:  # the memory the fullest stage needs in this layout, and nothing else: no device, data or model
+        import plan
+        return plan.print_plan(args, world_size, dp, train_tp.is_sliced, layers=train_pp.stage_layers,
+                               schedule=train_pp.schedule)
     device = training.get_device(args, local_rank)
 
     # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
