@@ -363,6 +363,71 @@ def pipeline_plan(config, layout, layers, schedule):
     return max(plans, key=lambda rows: sum(size for _, size in rows))
 
 
+def four_d_units(config, layout, stage, layers, sliced):
+    """([elements of each FlatParameter's shard] of each FSDP unit, whether it stays gathered from forward to backward)
+    of train_4d.py's stage `stage`, in its order: the root (wpe on the first stage; ln_f, the LM head, a tied wte on
+    the last), wte's own unit on the first stage, each block; TP-sliced, sharded over the dp x cp ranks, padded."""
+    first, last, ranks = stage == 0, stage == layout.pp - 1, layout.dp * layout.cp
+    sizes = local_sizes(config, layout.tp, sliced)
+    shapes = dict(model_on_meta(config).named_parameters())
+    ends = [name for name in sizes if (first and name.startswith("wpe")) or (last and config.tie_embeddings and
+            name.startswith("wte")) or (last and name.startswith(("ln_f", "lm_head")))]
+    units = [ends] + [[name for name in sizes if first and name.startswith("wte") and name not in ends]]
+    units += [[name for name in sizes if name.startswith(f"blocks.{layer}.")]
+              for layer in layers(config.n_layer, layout.pp, stage)]
+    flats = [[sum(sizes[name] for name in unit if (shapes[name].dim() >= 2) == matrix) for matrix in (True, False)]
+             for unit in units]
+    kept = [index == len(units) - 1 or (index == 0 and last and config.tie_embeddings) for index in range(len(units))]
+    return [[-(-n // ranks) for n in unit if n] for unit in flats], kept
+
+
+def four_d_terms(config, layout, stage, layers, schedule, sliced, backend):
+    """[Term] one rank of train_4d.py's stage `stage` sends in an optimizer step: the sum of the axes' own. TP's f and
+    g over the stage's blocks (the embedding's g on the first stage, the LM head's f and the loss on the last), for
+    b·s/cp tokens a micro-batch; CP's attention over the stage's blocks, on this rank's KV heads; PP's activation
+    forward and gradient back a micro-batch (sends; the receives carry nothing of their own); FSDP's gathers and
+    reduce-scatters over the dp x cp ranks, a micro-batch each (a kept unit once between two backwards, as the
+    schedule orders them); the tied weight's gradient shard summed between the end stages; the gradient norm, the
+    step's agreement and the logged loss over every rank."""
+    first, last, m = stage == 0, stage == layout.pp - 1, layout.micro_batches
+    held = len(layers(config.n_layer, layout.pp, stage))
+    tokens, e = layout.micro_batch * config.block_size // layout.cp, 2 if layout.dtype == "bfloat16" else 4
+    ranks, world = layout.dp * layout.cp, layout.world_size
+    terms = tensor_parallel_terms(replace(config, n_layer=held), tokens, m, e, layout.tp, backend, False, True,
+                                  embedding=first, head=last)
+    if layout.cp > 1:
+        heads = replace(config, n_layer=held, n_kv_head=config.n_kv_head // layout.tp)
+        terms += context_parallel_terms(heads, tokens, m, e, layout.cp, layout.cp_impl, backend)
+    if layout.pp > 1:
+        sends = m * ((not first) + (not last))
+        terms += [Term("activations forward, their gradients back (point to point)", "send", "pp", sends,
+                       sends * e * tokens * config.n_embd),
+                  Term("what the neighbouring stages send", "recv", "pp", sends, 0)]
+    shards, kept = four_d_units(config, layout, stage, layers, sliced)
+    order = schedule(layout.schedule, stage, layout.pp, m)
+    held_between = 0  # a kept unit: gathered by a forward or a backward that finds it freed, freed as a backward ends
+    gathered = False
+    for kind, _ in order:
+        held_between += not gathered
+        gathered = kind == "forward"
+    gathers = sum(len(unit) * (held_between if keep else 2 * m) for unit, keep in zip(shards, kept))
+    gathered_bytes = sum(shard * (held_between if keep else 2 * m) * sent("all_gather", e, ranks, backend)
+                         for unit, keep in zip(shards, kept) for shard in unit)
+    scattered = sum(m * sent("reduce_scatter", 4 * shard * ranks, ranks, backend) for unit in shards for shard in unit)
+    terms += [Term("each unit's weights, before its forward and again before its backward", "all_gather", "data",
+                   gathers, gathered_bytes),
+              Term("each unit's float32 gradient, as its backward ends", "reduce_scatter", "data",
+                   m * sum(map(len, shards)), scattered)]
+    if config.tie_embeddings and layout.pp > 1 and (first or last):
+        wte = -(-local_sizes(config, layout.tp, sliced)["wte.weight"] // ranks)
+        terms.append(Term("the tied weight's gradient shard, summed between the end stages", "all_reduce", "ends", 1,
+                          sent("all_reduce", 4 * wte, 2, backend)))
+    return terms + [Term("gradient norm", "all_reduce", "world", 1, sent("all_reduce", 4, world, backend)),
+                    Term("whether the gradient norm is finite and a rank was asked to stop", "all_reduce", "world", 1,
+                         sent("all_reduce", 8, world, backend)),
+                    Term("the logged loss", "all_reduce", "world", 1, sent("all_reduce", 4, world, backend))]
+
+
 def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
     """[(item, bytes)] one rank of train_4d.py's pipeline stage `stage` holds at its peak, each axis's own share: its
     blocks (and ends) as stage_plan counts them, sliced over tp (sliced: train_tp.is_sliced) and fully sharded over the
@@ -373,19 +438,10 @@ def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
     point-to-point activation and gradient received; the logits' vocabulary slice."""
     first, last, ranks = stage == 0, stage == layout.pp - 1, layout.dp * layout.cp
     held = list(layers(config.n_layer, layout.pp, stage))
-    sizes = local_sizes(config, layout.tp, sliced)
-    shapes = dict(model_on_meta(config).named_parameters())
-    ends = [name for name in sizes if (first and name.startswith("wpe")) or (last and config.tie_embeddings and
-            name.startswith("wte")) or (last and name.startswith(("ln_f", "lm_head")))]
-    units = [ends] + [[name for name in sizes if first and name.startswith("wte") and name not in ends]]
-    units += [[name for name in sizes if name.startswith(f"blocks.{layer}.")] for layer in held]
-    flats = [[sum(sizes[name] for name in unit if (shapes[name].dim() >= 2) == matrix) for matrix in (True, False)]
-             for unit in units]
-    shards = [[-(-n // ranks) for n in unit if n] for unit in flats]  # each padded to a multiple of the ranks
+    shards, kept = four_d_units(config, layout, stage, layers, sliced)
     params, tensors = sum(map(sum, shards)), sum(map(len, shards))
     e = 2 if layout.dtype == "bfloat16" else 4
     gathered = [sum(unit) * ranks for unit in shards]
-    kept = [index == len(units) - 1 or (index == 0 and last and config.tie_embeddings) for index in range(len(units))]
     others = [n for n, keep in zip(gathered, kept) if not keep]  # gathered for each use, one with the next
     moving = max([a + b for a, b in zip(others, others[1:])] or others or [0])
     local = replace(config, n_layer=len(held), block_size=config.block_size // layout.cp)
@@ -462,29 +518,32 @@ class Term(NamedTuple):
     bytes: float
 
 
-def tensor_parallel_terms(config, tokens, steps, compute, tp, backend, sequence_parallel, loss_parallel):
+def tensor_parallel_terms(config, tokens, steps, compute, tp, backend, sequence_parallel, loss_parallel,
+                          embedding=True, head=True):
     """[Term] of Megatron's f and g and the vocab-parallel loss over `tokens` a micro-step, `steps` micro-steps. f
     and the row-parallel g carry the compute dtype (under bf16 autocast f casts the norms' float32 outputs first), and
     so do their conjugates; the embedding's g, and its conjugate, the float32 residual stream; the loss's per-token
-    sums float32."""
+    sums float32. A pipeline stage without the embedding or the LM head (embedding, head) runs theirs not."""
     L, activation = config.n_layer, tokens * config.n_embd  # elements of one [micro batch, sequence, hidden]
     if sequence_parallel:
         collectives = [
-            ("embedding output, forward (g)", "reduce_scatter", 1, 4),
+            ("embedding output, forward (g)", "reduce_scatter", embedding, 4),
             ("attention and MLP partial products, forward (g)", "reduce_scatter", 2 * L, compute),
-            ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + 1, compute),
-            ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + 1, compute),
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + head, compute),
+            ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + head, compute),
             ("partial products' gradients, backward (g)", "all_gather", 2 * L, compute),
-            ("embedding output's gradient, backward (g)", "all_gather", 1, 4)]
+            ("embedding output's gradient, backward (g)", "all_gather", embedding, 4)]
     else:
         collectives = [
-            ("embedding output, forward (g)", "all_reduce", 1, 4),
+            ("embedding output, forward (g)", "all_reduce", embedding, 4),
             ("attention and MLP partial products, forward (g)", "all_reduce", 2 * L, compute),
-            ("layer norm outputs' gradients, backward (f, f of the LM head)", "all_reduce", 2 * L + 1, compute)]
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "all_reduce", 2 * L + head, compute)]
     terms = []
     for what, kind, count, width in collectives:
         payload = width * activation // (tp if kind == "all_gather" else 1)  # an all-gather sends its shard
         terms.append(Term(what, kind, "tp", steps * count, steps * count * sent(kind, payload, tp, backend)))
+    if not head:
+        return terms
     if loss_parallel:  # each token's max logit, then its sum of exponentials and target logit, in float32
         terms.append(Term("vocab-parallel loss, per token", "all_reduce", "tp", 2 * steps,
                           steps * sent("all_reduce", 3 * 4 * tokens, tp, backend)))

@@ -6933,3 +6933,21 @@ def test_4d_plan_counts_each_stages_shards_to_the_byte(corpus, shared_tmp, capsy
                           "--block_size", "32"])
     assert "4d on 16 ranks (dp 2 x tp 2 x cp 2, allgather x pp 2, 1f1b)" in capsys.readouterr().out
     assert rows[0][0].startswith("stage ")
+
+
+@launches_its_own_ranks
+@pytest.mark.parametrize("model, schedule", [("tiny", "1f1b"), ("llama-tiny", "gpipe")])
+def test_4d_bench_measures_what_the_formula_says(corpus, tmp_path, model, schedule):
+    """What rank 0 (stage 0 of 2, of 2 context-parallel x 2 tensor-parallel ranks) sends in one step, read from the
+    profiler by bench.py, is plan.four_d_terms, the sum of the axes' own terms: the same number of collectives and the
+    bytes within 1% (the gradient norm's, the agreement's and the logged loss's 16 bytes run over all 8 ranks, which
+    bench counts in groups of 2). 4 micro-batches of 2, float32."""
+    args = argparse.Namespace(model=model, data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
+                              dtype="float32", compile=False, threads=1)
+    extra = ["--pp", "2", "--cp", "2", "--tp", "2", "--micro_batch", "2", "--schedule", schedule]
+    row = bench.run_once(args, "4d", "train_4d.py", 8, extra, None, 2, 8, str(tmp_path))
+    layout = plan.Layout("4d", 8, 1, 2, 2, pp=2, schedule=schedule, micro_batches=4, cp=2)
+    terms = plan.four_d_terms(gpt.make_config(model, 256, 32), layout, 0, train_pp.stage_layers, train_pp.schedule,
+                              train_tp.is_sliced, "gloo")
+    assert row["collectives"] == sum(term.count for term in terms), terms
+    assert row["comm_bytes"] == pytest.approx(sum(term.bytes for term in terms), rel=0.01), terms
