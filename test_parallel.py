@@ -6951,3 +6951,5 @@ def test_4d_bench_measures_what_the_formula_says(corpus, tmp_path, model, schedu
                               train_tp.is_sliced, "gloo")
     assert row["collectives"] == sum(term.count for term in terms), terms
     assert row["comm_bytes"] == pytest.approx(sum(term.bytes for term in terms), rel=0.01), terms
+    table = bench.strategies(argparse.Namespace(global_batch=8, bucket_mb=25, sequence_parallel=False, **vars(args)))
+    assert table["4d"].formula() == terms and row["state_bytes"] == table["4d"].states()  # bench.py --strategies 4d
