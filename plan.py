@@ -386,8 +386,8 @@ def four_d_terms(config, layout, stage, layers, schedule, sliced, backend):
     g over the stage's blocks (the embedding's g on the first stage, the LM head's f and the loss on the last), for
     b·s/cp tokens a micro-batch; CP's attention over the stage's blocks, on this rank's KV heads; PP's activation
     forward and gradient back a micro-batch (sends; the receives carry nothing of their own); FSDP's gathers and
-    reduce-scatters over the dp x cp ranks, a micro-batch each (a kept unit once between two backwards, as the
-    schedule orders them); the tied weight's gradient shard summed between the end stages; the gradient norm, the
+    reduce-scatters over the dp x cp ranks, a micro-batch each (a kept unit, every unit under --no_reshard, once
+    between two backwards, as the schedule orders them); the tied weight's gradient shard summed between the end stages; the gradient norm, the
     step's agreement and the logged loss over every rank."""
     first, last, m = stage == 0, stage == layout.pp - 1, layout.micro_batches
     held = len(layers(config.n_layer, layout.pp, stage))
@@ -410,9 +410,10 @@ def four_d_terms(config, layout, stage, layers, schedule, sliced, backend):
     for kind, _ in order:
         held_between += not gathered
         gathered = kind == "forward"
-    gathers = sum(len(unit) * (held_between if keep else 2 * m) for unit, keep in zip(shards, kept))
-    gathered_bytes = sum(shard * (held_between if keep else 2 * m) * sent("all_gather", e, ranks, backend)
-                         for unit, keep in zip(shards, kept) for shard in unit)
+    times = [held_between if keep or not layout.reshard else 2 * m for keep in kept]  # --no_reshard: all kept
+    gathers = sum(len(unit) * n for unit, n in zip(shards, times))
+    gathered_bytes = sum(shard * n * sent("all_gather", e, ranks, backend) for unit, n in zip(shards, times)
+                         for shard in unit)
     scattered = sum(m * sent("reduce_scatter", 4 * shard * ranks, ranks, backend) for unit in shards for shard in unit)
     terms += [Term("each unit's weights, before its forward and again before its backward", "all_gather", "data",
                    gathers, gathered_bytes),

@@ -78,6 +78,7 @@ def main(argv=None):
     parser.add_argument("--tp", type=training.positive_int, default=1, help="tensor-parallel size (inside a node)")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="the pipeline's")
     parser.add_argument("--cp_impl", default="allgather", choices=["allgather", "ring"], help="the context's")
+    parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
     args = training.parse(parser, argv)
 
     # ---- process groups: a dp x pp x cp x tp grid, tensor parallel innermost; its checks before any collective
@@ -133,7 +134,7 @@ def main(argv=None):
     units = ([model.wte] if stage.is_first else []) + [model.blocks[layer] for layer in stage.layers]
     fsdp = train_fsdp.FullyShardedDataParallel(
         stage, units, process_group=groups["data"], device=device, compute_dtype=getattr(torch, args.dtype),
-        initial_value=lambda name, *where: value(name.removeprefix("model."), *where), tp_boxes=tp_boxes)
+        reshard_after_forward=not args.no_reshard, initial_value=lambda name, *where: value(name.removeprefix("model."), *where), tp_boxes=tp_boxes)
     parts = [checkpoint.Part(name.removeprefix("model."), *where) for name, *where in fsdp.parts()]
     pipeline = train_pp.PipelineParallel(fsdp, groups["pp"], config, getattr(torch, args.dtype))
     if cp > 1:  # evaluation through the pipeline: this rank's chunks too
