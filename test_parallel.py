@@ -6845,20 +6845,20 @@ def run_4d(corpus, tmp_path_factory, ranks, **overrides):
     return _4d_runs[key]
 
 
-FOUR_D_LAYOUTS = [  # (dp, pp, cp, tp), model, schedule, FSDP's reshard: each axis at 1 once, both of each
-    ((2, 2, 1, 2), "tiny", "gpipe", True),
-    ((1, 2, 2, 2), "llama-tiny", "1f1b", True),
-    ((2, 1, 2, 2), "tiny", "1f1b", True),
-    ((2, 2, 2, 1), "llama-tiny", "gpipe", True),
-    ((2, 2, 2, 2), "tiny", "1f1b", False),
-    ((2, 2, 1, 2), "llama-tiny", "1f1b", True),
+FOUR_D_LAYOUTS = [  # (dp, pp, cp, tp), model, schedule, other flags: each axis at 1 once, both of each
+    ((2, 2, 1, 2), "tiny", "gpipe", {}),
+    ((1, 2, 2, 2), "llama-tiny", "1f1b", dict(cp_impl="ring")),
+    ((2, 1, 2, 2), "tiny", "1f1b", {}),
+    ((2, 2, 2, 1), "llama-tiny", "gpipe", {}),
+    ((2, 2, 2, 2), "tiny", "1f1b", dict(no_reshard=True)),
+    ((2, 2, 1, 2), "llama-tiny", "1f1b", {}),
 ]
 
 
-@pytest.mark.parametrize("degrees, model, schedule, reshard", FOUR_D_LAYOUTS, ids=lambda value: "x".join(
+@pytest.mark.parametrize("degrees, model, schedule, options", FOUR_D_LAYOUTS, ids=lambda value: "x".join(
     f"{axis}{n}" for axis, n in zip(("dp", "pp", "cp", "tp"), value)) if isinstance(value, tuple) else
-    "reshard" if value is True else "no_reshard" if value is False else value)
-def test_4d_matches_single(corpus, tmp_path_factory, degrees, model, schedule, reshard):
+    "-".join(f"{key} {flag}" for key, flag in value.items()) or "defaults" if isinstance(value, dict) else value)
+def test_4d_matches_single(corpus, tmp_path_factory, degrees, model, schedule, options):
     """6 steps, accumulation 16 / (2 x dp), clipping active, at the tests' usual tolerances: losses, validation losses
     (through the pipeline, on each rank's chunks), grad norms (each element counted once: TP slices, replicated tensors
     on TP rank 0, FSDP shards, the tied weight on the first stage) and the weights equal train_single's. The sample
@@ -6866,7 +6866,7 @@ def test_4d_matches_single(corpus, tmp_path_factory, degrees, model, schedule, r
     single's final weights."""
     dp, pp, cp, tp = degrees
     run, samples = run_4d(corpus, tmp_path_factory, dp * pp * cp * tp, model=model, dp=dp, pp=pp, cp=cp, tp=tp,
-                          schedule=schedule, no_reshard=not reshard)
+                          schedule=schedule, **options)
     reference = single_run(corpus, tmp_path_factory, model=model)
     assert_runs_match(run, reference)
     single = gpt.GPT(gpt.make_config(model, vocab_size=256, block_size=32))
