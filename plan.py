@@ -387,8 +387,8 @@ def four_d_terms(config, layout, stage, layers, schedule, sliced, backend):
     b·s/cp tokens a micro-batch; CP's attention over the stage's blocks, on this rank's KV heads; PP's activation
     forward and gradient back a micro-batch (sends; the receives carry nothing of their own); FSDP's gathers and
     reduce-scatters over the dp x cp ranks, a micro-batch each (a kept unit, every unit under --no_reshard, once
-    between two backwards, as the schedule orders them); the tied weight's gradient shard summed between the end stages; the gradient norm, the
-    step's agreement and the logged loss over every rank."""
+    between two backwards, as the schedule orders them); the tied weight's gradient shard summed between the end
+    stages; the gradient norm, the step's agreement and the logged loss over every rank."""
     first, last, m = stage == 0, stage == layout.pp - 1, layout.micro_batches
     held = len(layers(config.n_layer, layout.pp, stage))
     tokens, e = layout.micro_batch * config.block_size // layout.cp, 2 if layout.dtype == "bfloat16" else 4

@@ -134,7 +134,8 @@ def main(argv=None):
     units = ([model.wte] if stage.is_first else []) + [model.blocks[layer] for layer in stage.layers]
     fsdp = train_fsdp.FullyShardedDataParallel(
         stage, units, process_group=groups["data"], device=device, compute_dtype=getattr(torch, args.dtype),
-        reshard_after_forward=not args.no_reshard, initial_value=lambda name, *where: value(name.removeprefix("model."), *where), tp_boxes=tp_boxes)
+        reshard_after_forward=not args.no_reshard, tp_boxes=tp_boxes,
+        initial_value=lambda name, *where: value(name.removeprefix("model."), *where))
     parts = [checkpoint.Part(name.removeprefix("model."), *where) for name, *where in fsdp.parts()]
     pipeline = train_pp.PipelineParallel(fsdp, groups["pp"], config, getattr(torch, args.dtype))
     if cp > 1:  # evaluation through the pipeline: this rank's chunks too
@@ -143,6 +144,7 @@ def main(argv=None):
 
     def counted(name):  # each element once: a slice on its TP rank, a replicated tensor on TP rank 0, tied on stage 0
         return (train_tp.is_sliced(name) or tp_first) and (stage.is_first or name != "model.wte.weight")
+
     optimizer = training.make_optimizer(fsdp.parameter_groups(), args, device)
     forward = training.wrap_blocks(pipeline, args.compile, args.activation_checkpointing)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
