@@ -51,6 +51,7 @@ import prepare_data
 import train_cp
 import train_ddp
 import train_fsdp
+import train_pp
 import train_tp
 import training
 
@@ -242,6 +243,10 @@ def strategies(args):
     ours_and_torch = ["ours", "torch"]
     cp_impls = ours_and_torch if args.device == "cuda" else [None]  # torch's context_parallel: CUDA kernels alone
     buckets = ["--bucket_mb", str(args.bucket_mb)]
+    micro_batch = train_pp.pipelined_micro_batch(args.global_batch, 2)  # train_4d.py's default at --pp 2, --dp 1
+    four_d = plan.Layout("4d", 8, 1, 2, micro_batch, args.dtype, pp=2, micro_batches=args.global_batch // micro_batch,
+                         cp=2)
+    stage_0 = dict(stage=0, layers=train_pp.stage_layers, schedule=train_pp.schedule, sliced=train_tp.is_sliced)
     return {
         "single": Strategy("train_single.py", 1, [], [None], 1, lambda: [], states("single", 1, 1)),
         "ddp": Strategy("train_ddp.py", 2, buckets, ours_and_torch, 2, formula("ddp", dp=2), states("ddp", 2, 2)),
@@ -268,6 +273,9 @@ def strategies(args):
         "cp4": Strategy("train_cp.py", 4, ["--cp", "4"], cp_impls, 4, formula("cp", dp=1, cp=4), states("ddp", 4, 4)),
         "cp4_ring": Strategy("train_cp.py", 4, ["--cp", "4", "--cp_impl", "ring"], cp_impls, 4,
                              formula("cp", dp=1, cp=4, cp_impl="ring"), states("ddp", 4, 4)),
+        "4d": Strategy("train_4d.py", 8, ["--pp", "2", "--cp", "2", "--tp", "2"], [None], 2,  # every group of 2
+                       lambda: plan.four_d_terms(config, four_d, backend=backend, **stage_0),
+                       lambda: sum(size for _, size in plan.four_d_stage_plan(config, four_d, **stage_0)[:3])),
     }
 
 

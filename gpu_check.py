@@ -41,7 +41,8 @@ TOLERANCE = 2e-2  # bf16 autocast against float32: measured ~1e-3 relative on th
 EQUIVALENCE = [["train_single.py"], ["train_ddp.py"], ["train_fsdp.py"], ["train_tp.py", "--tp", "1"],
                ["train_tp.py", "--tp", "1", "--sequence_parallel"], ["train_2d.py", "--tp", "1", "--dp", "1"],
                ["train_pp.py", "--pp", "1"], ["train_cp.py", "--cp", "1"],
-               ["train_cp.py", "--cp", "1", "--cp_impl", "ring"], ["train_cp.py", "--cp", "1", "--impl", "torch"]]
+               ["train_cp.py", "--cp", "1", "--cp_impl", "ring"], ["train_cp.py", "--cp", "1", "--impl", "torch"],
+               ["train_4d.py"]]
 CUDA_ONLY = {"train_cp.py --cp 1 --impl torch": "torch's context_parallel has no sharding rule for the CPU attention"}
 GRACE_S = 120  # how long a run may go on past --budget_s before it is stopped
 MAX_MICRO_BATCH = 64  # 65k tokens a step at block 1024

@@ -24,7 +24,7 @@ import training
 
 
 class Layout(NamedTuple):
-    strategy: str  # single, ddp, zero, fsdp, tp, 2d, pp, cp
+    strategy: str  # single, ddp, zero, fsdp, tp, 2d, pp, cp, 4d
     world_size: int
     dp: int  # data-parallel degree: FSDP's shard count in 2d, and in fsdp times `replicate`
     tp: int  # tensor-parallel degree
@@ -49,7 +49,7 @@ class Layout(NamedTuple):
 def layout_of(args, world_size, dp_size, micro_batch, device):
     """The Layout a script's flags describe on world_size ranks, dp_size of them data-parallel, on device (a type)."""
     pp = getattr(args, "pp", 1)
-    cp = world_size // dp_size if args.strategy == "cp" else 1
+    cp = world_size // dp_size if args.strategy == "cp" else getattr(args, "cp", 1)
     return Layout(args.strategy, world_size, dp_size, world_size // (dp_size * pp * cp), micro_batch, args.dtype,
                   getattr(args, "sequence_parallel", False), not getattr(args, "no_loss_parallel", False),
                   args.activation_checkpointing, not getattr(args, "no_reshard", False), device, pp,
@@ -294,22 +294,28 @@ def context_parallel_plan(config, layout):
     all-gather saves every rank's keys and values, 2·b·s·kv a layer in the compute dtype (its own among them), and
     on CPU the mask torch builds for each query chunk's lower-right causal attention (on CUDA the fused kernels need
     none); the ring saves only its own, and its output in float32 to merge into."""
-    s, b, L, kv = config.block_size, layout.micro_batch, config.n_layer, config.n_kv_head * config.head_dim
-    e = 2 if layout.dtype == "bfloat16" else 4
+    s, L = config.block_size, config.n_layer
     whole = layout._replace(strategy="ddp", cp=1)
     weights = ("parameters", "gradients", "AdamW", "bfloat16 copies")  # wpe's s rows among them
     rows = [row for row in plan_memory(config, whole) if row[0].startswith(weights)]
     rows += [row for row in plan_memory(replace(config, block_size=s // layout.cp), whole)
              if not row[0].startswith(weights)]
-    if layout.cp_impl == "allgather":  # on CPU, and two boolean masks: chunk i's queries x (i+1) chunks of keys
-        item = "every rank's keys and values, gathered"
-        chunk = s // (2 * layout.cp)
-        size = 2 * b * (s - s // layout.cp) * kv * e + (2 * layout.cp + 1) * chunk * chunk * (layout.device == "cpu")
-    else:  # float32: the output itself
-        item, size = "ring attention's float32 output", b * s // layout.cp * config.n_embd * 4 if e == 2 else 0
+    item, size = context_parallel_attention(config, layout)
     if layout.activation_checkpointing:  # saved only while a block is recomputed
         return rows + [("one block recomputed in backward: " + item, size)]
     return rows + [("activations: " + item, L * size)]
+
+
+def context_parallel_attention(config, layout):
+    """(item, bytes) context-parallel attention saves a layer beyond one device's on s / cp tokens: the all-gather
+    every other rank's keys and values (of this rank's KV heads under tp) and, on CPU, two boolean masks, chunk i's
+    queries x (i+1) chunks of keys; the ring its float32 output, where the compute dtype is not float32 already."""
+    s, b, e = config.block_size, layout.micro_batch, 2 if layout.dtype == "bfloat16" else 4
+    if layout.cp_impl == "allgather":
+        chunk, kv = s // (2 * layout.cp), config.n_kv_head * config.head_dim // layout.tp
+        return ("every rank's keys and values, gathered", 2 * b * (s - s // layout.cp) * kv * e
+                + (2 * layout.cp + 1) * chunk * chunk * (layout.device == "cpu"))
+    return "ring attention's float32 output", b * s // layout.cp * config.n_embd * 4 // layout.tp if e == 2 else 0
 
 
 def context_parallel_terms(config, tokens, steps, compute, cp, cp_impl, backend):
@@ -384,6 +390,131 @@ def pipeline_plan(config, layout, layers, schedule):
     return max(plans, key=lambda rows: sum(size for _, size in rows))
 
 
+def four_d_units(config, layout, stage, layers, sliced):
+    """([elements of each FlatParameter's shard] of each FSDP unit, whether it stays gathered from forward to backward)
+    of train_4d.py's stage `stage`, in its order: the root (wpe on the first stage; ln_f, the LM head, a tied wte on
+    the last), wte's own unit on the first stage, each block; TP-sliced, sharded over the dp x cp ranks, padded."""
+    first, last, ranks = stage == 0, stage == layout.pp - 1, layout.dp * layout.cp
+    sizes = local_sizes(config, layout.tp, sliced)
+    shapes = dict(model_on_meta(config).named_parameters())
+    ends = [name for name in sizes if (first and name.startswith("wpe")) or (last and config.tie_embeddings and
+            name.startswith("wte")) or (last and name.startswith(("ln_f", "lm_head")))]
+    units = [ends] + [[name for name in sizes if first and name.startswith("wte") and name not in ends]]
+    units += [[name for name in sizes if name.startswith(f"blocks.{layer}.")]
+              for layer in layers(config.n_layer, layout.pp, stage)]
+    flats = [[sum(sizes[name] for name in unit if (shapes[name].dim() >= 2) == matrix) for matrix in (True, False)]
+             for unit in units]
+    kept = [index == len(units) - 1 or (index == 0 and last and config.tie_embeddings) for index in range(len(units))]
+    return [[-(-n // ranks) for n in unit if n] for unit in flats], kept
+
+
+def four_d_terms(config, layout, stage, layers, schedule, sliced, backend):
+    """[Term] one rank of train_4d.py's stage `stage` sends in an optimizer step: the sum of the axes' own. TP's f and
+    g over the stage's blocks (the embedding's g on the first stage, the LM head's f and the loss on the last), for
+    b·s/cp tokens a micro-batch; CP's attention over the stage's blocks, on this rank's KV heads; PP's activation
+    forward and gradient back a micro-batch (sends; the receives carry nothing of their own); FSDP's gathers and
+    reduce-scatters over the dp x cp ranks, a micro-batch each (a kept unit, every unit under --no_reshard, once
+    between two backwards, as the schedule orders them); the tied weight's gradient shard summed between the end
+    stages; the gradient norm, the step's agreement and the logged loss over every rank."""
+    first, last, m = stage == 0, stage == layout.pp - 1, layout.micro_batches
+    held = len(layers(config.n_layer, layout.pp, stage))
+    tokens, e = layout.micro_batch * config.block_size // layout.cp, 2 if layout.dtype == "bfloat16" else 4
+    ranks, world = layout.dp * layout.cp, layout.world_size
+    terms = tensor_parallel_terms(replace(config, n_layer=held), tokens, m, e, layout.tp, backend, False, True,
+                                  embedding=first, head=last)
+    if layout.cp > 1:
+        heads = replace(config, n_layer=held, n_kv_head=config.n_kv_head // layout.tp)
+        terms += context_parallel_terms(heads, tokens, m, e, layout.cp, layout.cp_impl, backend)
+    if layout.pp > 1:
+        sends = m * ((not first) + (not last))
+        terms += [Term("activations forward, their gradients back (point to point)", "send", "pp", sends,
+                       sends * e * tokens * config.n_embd),
+                  Term("what the neighbouring stages send", "recv", "pp", sends, 0)]
+    shards, kept = four_d_units(config, layout, stage, layers, sliced)
+    order = schedule(layout.schedule, stage, layout.pp, m)
+    held_between = 0  # a kept unit: gathered by a forward or a backward that finds it freed, freed as a backward ends
+    gathered = False
+    for kind, _ in order:
+        held_between += not gathered
+        gathered = kind == "forward"
+    times = [held_between if keep or not layout.reshard else 2 * m for keep in kept]  # --no_reshard: all kept
+    gathers = sum(len(unit) * n for unit, n in zip(shards, times))
+    gathered_bytes = sum(shard * n * sent("all_gather", e, ranks, backend) for unit, n in zip(shards, times)
+                         for shard in unit)
+    scattered = sum(m * sent("reduce_scatter", 4 * shard * ranks, ranks, backend) for unit in shards for shard in unit)
+    terms += [Term("each unit's weights, before its forward and again before its backward", "all_gather", "data",
+                   gathers, gathered_bytes),
+              Term("each unit's float32 gradient, as its backward ends", "reduce_scatter", "data",
+                   m * sum(map(len, shards)), scattered)]
+    if config.tie_embeddings and layout.pp > 1 and (first or last):
+        wte = -(-local_sizes(config, layout.tp, sliced)["wte.weight"] // ranks)
+        terms.append(Term("the tied weight's gradient shard, summed between the end stages", "all_reduce", "ends", 1,
+                          sent("all_reduce", 4 * wte, 2, backend)))
+    return terms + [Term("gradient norm", "all_reduce", "world", 1, sent("all_reduce", 4, world, backend)),
+                    Term("whether the gradient norm is finite and a rank was asked to stop", "all_reduce", "world", 1,
+                         sent("all_reduce", 8, world, backend)),
+                    Term("the logged loss", "all_reduce", "world", 1, sent("all_reduce", 4, world, backend))]
+
+
+def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
+    """[(item, bytes)] one rank of train_4d.py's pipeline stage `stage` holds at its peak, each axis's own share: its
+    blocks (and ends) as stage_plan counts them, sliced over tp (sliced: train_tp.is_sliced) and fully sharded over the
+    dp x cp ranks of its data group, in train_4d's FSDP units (the root: wpe, ln_f, the LM head; wte on the first
+    stage; each block), each FlatParameter padded; the activations of s / cp tokens a sequence (with context-parallel
+    attention's own), one micro-batch's per micro-batch in flight (stage_plan's); FSDP's gathered weights (the last
+    block, the root where it holds a tied weight; two others moving) and its float32 reduce-scatter buffer; the
+    point-to-point activation and gradient received; the logits' vocabulary slice."""
+    first, last, ranks = stage == 0, stage == layout.pp - 1, layout.dp * layout.cp
+    held = list(layers(config.n_layer, layout.pp, stage))
+    shards, kept = four_d_units(config, layout, stage, layers, sliced)
+    params, tensors = sum(map(sum, shards)), sum(map(len, shards))
+    e = 2 if layout.dtype == "bfloat16" else 4
+    gathered = [sum(unit) * ranks for unit in shards]
+    others = [n for n, keep in zip(gathered, kept) if not keep]  # gathered for each use, one with the next
+    moving = max([a + b for a, b in zip(others, others[1:])] or others or [0])
+    local = replace(config, n_layer=len(held), block_size=config.block_size // layout.cp)
+    order = schedule(layout.schedule, stage, layout.pp, layout.micro_batches)
+    in_flight = max(itertools.accumulate(1 if kind == "forward" else -1 for kind, _ in order))
+    activations, recompute = activation_plan(local, layout._replace(strategy="2d"))  # FSDP's weights, TP's slices
+    attention = context_parallel_attention(config, layout)[1] if layout.cp > 1 else 0
+    if layout.activation_checkpointing:
+        recompute += attention
+    ends = {"embeddings": first, "final layer norm": last, "embeddings and final layer norm": True,
+            "loss (softmax of the logits)": last}
+    per_micro_batch = activations["activations of the blocks"] + attention * len(held) * \
+        (not layout.activation_checkpointing)
+    per_micro_batch += sum(size for item, size in activations.items() if ends.get(item))
+    tokens = layout.micro_batch * config.block_size // layout.cp
+    vocab = config.padded_vocab_size // layout.tp
+    rows = [(f"stage {stage} of {layout.pp} ({len(held)} blocks), shards of 1/{ranks}: parameters (float32)",
+             4 * params),
+            ("gradients (float32)", 4 * params),
+            ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * tensors),
+            (f"activations of {in_flight} micro-batch{'es' * (in_flight > 1)} in flight ({layout.schedule}), "
+             f"{tokens // layout.micro_batch} tokens a sequence", in_flight * per_micro_batch),
+            (f"gathered weights: {sum(kept)} unit{'s' * (sum(kept) > 1)} kept for backward, 2 others ({layout.dtype})"
+             if layout.reshard else f"gathered weights: every unit ({layout.dtype})",
+             e * (sum(n for n, keep in zip(gathered, kept) if keep) + moving if layout.reshard else sum(gathered))),
+            ("a unit's gradients, copied into its float32 reduce-scatter buffer", (e + 4) * max(gathered))]
+    if recompute:
+        rows.append(("one block recomputed in backward (--activation_checkpointing)", recompute))
+    if layout.pp > 1:  # the residual stream from the previous stage, the gradient from the next, in the compute dtype
+        rows.append(("received activation and gradient (point to point)",
+                     ((not first) + (not last)) * e * tokens * config.n_embd))
+    if last:
+        rows.append(("logits' vocabulary slice and their gradient", tokens * vocab * (e + 4)))
+    return rows
+
+
+def four_d_plan(config, layout, layers, schedule, sliced):
+    """The plan of train_4d.py's fullest stage (layers, schedule: train_pp.py's; sliced: train_tp.py's)."""
+    if layers is None or schedule is None or (layout.tp > 1 and sliced is None):
+        raise ValueError("a 4-D layout needs the strategies' own rules: pass layers=train_pp.stage_layers, "
+                         "schedule=train_pp.schedule, sliced=train_tp.is_sliced")
+    plans = [four_d_stage_plan(config, layout, stage, layers, schedule, sliced) for stage in range(layout.pp)]
+    return max(plans, key=lambda rows: sum(size for _, size in rows))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Communication: every collective one optimizer step of each strategy runs, as the code runs it
 
@@ -415,29 +546,32 @@ class Term(NamedTuple):
     bytes: float
 
 
-def tensor_parallel_terms(config, tokens, steps, compute, tp, backend, sequence_parallel, loss_parallel):
+def tensor_parallel_terms(config, tokens, steps, compute, tp, backend, sequence_parallel, loss_parallel,
+                          embedding=True, head=True):
     """[Term] of Megatron's f and g and the vocab-parallel loss over `tokens` a micro-step, `steps` micro-steps. f
     and the row-parallel g carry the compute dtype (under bf16 autocast f casts the norms' float32 outputs first), and
     so do their conjugates; the embedding's g, and its conjugate, the float32 residual stream; the loss's per-token
-    sums float32."""
+    sums float32. A pipeline stage without the embedding or the LM head (embedding, head) runs theirs not."""
     L, activation = config.n_layer, tokens * config.n_embd  # elements of one [micro batch, sequence, hidden]
     if sequence_parallel:
         collectives = [
-            ("embedding output, forward (g)", "reduce_scatter", 1, 4),
+            ("embedding output, forward (g)", "reduce_scatter", embedding, 4),
             ("attention and MLP partial products, forward (g)", "reduce_scatter", 2 * L, compute),
-            ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + 1, compute),
-            ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + 1, compute),
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "reduce_scatter", 2 * L + head, compute),
+            ("layer norm outputs' shards, forward (f, f of the LM head)", "all_gather", 2 * L + head, compute),
             ("partial products' gradients, backward (g)", "all_gather", 2 * L, compute),
-            ("embedding output's gradient, backward (g)", "all_gather", 1, 4)]
+            ("embedding output's gradient, backward (g)", "all_gather", embedding, 4)]
     else:
         collectives = [
-            ("embedding output, forward (g)", "all_reduce", 1, 4),
+            ("embedding output, forward (g)", "all_reduce", embedding, 4),
             ("attention and MLP partial products, forward (g)", "all_reduce", 2 * L, compute),
-            ("layer norm outputs' gradients, backward (f, f of the LM head)", "all_reduce", 2 * L + 1, compute)]
+            ("layer norm outputs' gradients, backward (f, f of the LM head)", "all_reduce", 2 * L + head, compute)]
     terms = []
     for what, kind, count, width in collectives:
         payload = width * activation // (tp if kind == "all_gather" else 1)  # an all-gather sends its shard
         terms.append(Term(what, kind, "tp", steps * count, steps * count * sent(kind, payload, tp, backend)))
+    if not head:
+        return terms
     if loss_parallel:  # each token's max logit, then its sum of exponentials and target logit, in float32
         terms.append(Term("vocab-parallel loss, per token", "all_reduce", "tp", 2 * steps,
                           steps * sent("all_reduce", 3 * 4 * tokens, tp, backend)))
@@ -591,6 +725,8 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
         training.check_tensor_parallel(config, layout.tp, layout.sequence_parallel)
     if layout.strategy == "pp":
         rows = pipeline_plan(config, layout, layers, schedule)
+    elif layout.strategy == "4d":
+        rows = four_d_plan(config, layout, layers, schedule, sliced)
     else:
         rows = plan_memory(config, layout, sliced, units, buckets)
     total = sum(size for _, size in rows)

@@ -60,6 +60,7 @@ import gpu_check  # noqa: E402
 import hugging_face  # noqa: E402
 import plan  # noqa: E402
 import train_2d  # noqa: E402
+import train_4d  # noqa: E402
 import prepare_data  # noqa: E402
 import sample  # noqa: E402
 import train_cp  # noqa: E402
@@ -505,7 +506,7 @@ def _advertised_commands():
     script."""
     texts = [*documentation().values(), *(open(os.path.join(HERE, name)).read() for name in
                                           ("train_single.py", "train_ddp.py", "train_zero.py", "train_fsdp.py",
-                                           "train_tp.py", "train_2d.py", "train_cp.py"))]
+                                           "train_tp.py", "train_2d.py", "train_cp.py", "train_4d.py"))]
     lines = "\n".join(texts).replace("\\\n", " ").splitlines()
     return [line.split("#")[0] for line in lines if re.search(r"(torchrun|python) .*train_\w+\.py", line)]
 
@@ -525,10 +526,13 @@ def test_every_advertised_configuration_passes_the_layout_checks():
         model = option("--model", pretrained if pretrained in gpt.PRESETS else "tiny")
         vocab_size = 256 if model in ("tiny", "llama-tiny") else 128256 if model.startswith("llama") else 50257
         config = gpt.make_config(model, vocab_size, int(option("--block_size", 128)))
-        tp = {"tp": int(option("--tp", ranks)), "2d": int(option("--tp", 2))}.get(script, 1)
+        tp = {"tp": int(option("--tp", ranks)), "2d": int(option("--tp", 2)), "4d": int(option("--tp", 1))}
+        tp = tp.get(script, 1)
         training.check_tensor_parallel(config, tp, "--sequence_parallel" in command)
         if script == "2d":
             assert tp * int(option("--dp", ranks // tp)) == ranks, command
+        if script == "4d":  # --dp defaults to the ranks the other axes leave
+            assert ranks % math.prod(int(option(f"--{axis}", 1)) for axis in ("pp", "cp", "tp")) == 0, command
     readme = "\n".join(documentation().values()).replace("\n", " ")
     for preset, script, options in re.findall(r"`(tiny|gpt[23][\w.-]*|llama[\w.-]*)`[^`]*?`train_(\w+)\.py([^`]*)`",
                                               readme):
@@ -1095,8 +1099,8 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
         train_single.main(flags(corpus, tmp_path, **bad))
 
 
-SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, train_cp, prepare_data,
-           bench, gpu_check, bench_pipeline, sample]
+SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, train_cp, train_4d,
+           prepare_data, bench, gpu_check, bench_pipeline, sample]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.__name__)
@@ -1675,7 +1679,8 @@ def test_bench_classifies_collectives_of_both_backends():
 GPU_CHECK_ROWS = ["machine", "headline", "reference: train_single.py float32", "train_single.py", "train_ddp.py",
                   "train_fsdp.py", "train_tp.py --tp 1", "train_tp.py --tp 1 --sequence_parallel",
                   "train_2d.py --tp 1 --dp 1", "train_pp.py --pp 1", "train_cp.py --cp 1",
-                  "train_cp.py --cp 1 --cp_impl ring", "train_cp.py --cp 1 --impl torch", "activation checkpointing"]
+                  "train_cp.py --cp 1 --cp_impl ring", "train_cp.py --cp 1 --impl torch", "train_4d.py",
+                  "activation checkpointing"]
 H200 = dict(name="NVIDIA H200", total_memory=150_000_000_000)  # about 139 GiB
 
 
@@ -1715,7 +1720,7 @@ def test_gpu_check_reports_each_row_before_the_next_run(corpus, tmp_path, monkey
     loss): the headline first, GPT-2 124M at block 1024 in bf16 + --compile at the planner's micro-batch for an
     H200; then the float32 reference and every script in bf16 + --compile; then activation checkpointing and
     gpt2-medium. Each row is in --json when it is reported, before the next run starts; every run shares one
-    inductor cache; the summary counts what a GPU run would start: 14 processes, 13 of them compiling."""
+    inductor cache; the summary counts what a GPU run would start: 15 processes, 14 of them compiling."""
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: argparse.Namespace(**H200))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: H200["name"])
     path, runs = tmp_path / "gpu.json", []
@@ -1729,7 +1734,7 @@ def test_gpu_check_reports_each_row_before_the_next_run(corpus, tmp_path, monkey
     rows, on_disk = _gpu_check(["--device", "cuda", "--data", corpus, "--steps", "4"], path, monkeypatch, launch)
     assert [row["row"] for row in rows] == GPU_CHECK_ROWS + ["larger: gpt2-medium", "summary"], rows
     assert all(row["status"] == "ok" for row in rows) and all(on_disk), rows
-    assert [run["rows"] for run in runs] == list(range(1, 15))  # every row known was on disk before the next run
+    assert [run["rows"] for run in runs] == list(range(1, 16))  # every row known was on disk before the next run
     assert len({run["env"]["TORCHINDUCTOR_CACHE_DIR"] for run in runs}) == 1
     layout = plan.Layout("single", 1, 1, 1, 0, "bfloat16", device="cuda")
     for row, preset in ((rows[1], "gpt2"), (rows[-2], "gpt2-medium")):
@@ -1740,7 +1745,7 @@ def test_gpu_check_reports_each_row_before_the_next_run(corpus, tmp_path, monkey
     assert headline[0] == "train_single.py" and "--compile" in headline and "bfloat16" in headline
     assert "--compile" not in reference and reference[reference.index("--dtype") + 1] == "float32"
     assert "--activation_checkpointing" in runs[-2]["command"] and rows[-3]["micro_batch"] == 64
-    assert rows[-1]["processes"] == 14 and rows[-1]["compiled"] == 13 and rows[-1]["not_run"] == []
+    assert rows[-1]["processes"] == 15 and rows[-1]["compiled"] == 14 and rows[-1]["not_run"] == []
 
 
 @launches_its_own_ranks
@@ -4515,6 +4520,7 @@ def _printed(main, argv):
     (train_fsdp.main, 2, {}, "| FSDP |"), (train_fsdp.main, 4, dict(replicate=2), "| HSDP 2 x 2 |"),
     (train_tp.main, 2, {}, "| tensor parallel 2 "), (train_2d.main, 4, {}, "grid: 2 data-parallel x 2 tensor-parallel"),
     (train_pp.main, 2, {}, "pipeline: 2 stages"), (train_cp.main, 2, {}, "| 2 context-parallel (allgather) |"),
+    (train_4d.main, 2, {}, "grid: 2 data x 1 pipeline"),
 ])
 def test_every_scripts_first_line_names_its_strategy(corpus, shared_tmp, main, ranks, extra, strategy):
     """What a user sees first says which strategy runs: no two first lines alike but for the numbers."""
@@ -4645,6 +4651,8 @@ COPIED_WITH = {  # script -> the files beside it that its default run needs (REA
     "train_pp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
     "train_zero.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
     "train_cp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
+    "train_4d.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_tp.py", "train_fsdp.py",
+                    "train_pp.py", "train_cp.py", "train_ddp.py"],
 }
 
 
@@ -4675,7 +4683,7 @@ def test_the_readme_names_the_files_a_copied_script_needs():
     sentence = re.search(r"A script copied into another project needs ([^;]*);", text)
     assert sentence, "the README no longer says what a copied script needs"
     named = set(re.findall(r"`(\w+\.py)`", sentence.group(1)))
-    assert named == {"train_2d.py", "train_pp.py", "train_zero.py", "train_cp.py"} | {
+    assert named == {"train_2d.py", "train_pp.py", "train_zero.py", "train_cp.py", "train_4d.py"} | {
         name for files in COPIED_WITH.values() for name in files}, named
 
 
@@ -4764,7 +4772,8 @@ def test_what_a_reader_must_read_is_small():
     (twice nanoGPT's model.py and train.py, 8,200, plus what Llama's modules add); every other script at most 980 lines
     outside the train_*.py files; copying a script drags along at most 1,600 lines; each strategy core names no
     project module but gpt."""
-    for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_cp"]:
+    for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_cp",
+                   "train_4d"]:
         reach = reader_reach(script)
         outside = sum(lines for module, (lines, _) in reach.items() if not module.startswith("train_"))
         dragged = sorted(m for m in imported_at_module_level(script) if not m.startswith("train_"))
@@ -4785,16 +4794,17 @@ def test_what_a_reader_must_read_is_small():
         else:
             assert outside <= 980, reach
         assert dragged_lines <= 1600, dragged
-    for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp", "train_cp"]:
+    for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp", "train_cp", "train_4d"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
         named = {n.id for node in core for n in ast.walk(node) if isinstance(n, ast.Name)}
-        assert named & set(imports) <= {"gpt", "train_ddp", "train_fsdp", "train_tp"}, (script, named & set(imports))
+        assert named & set(imports) <= {"gpt", "train_ddp", "train_fsdp", "train_tp", "train_pp", "train_cp"}, script
 
 
 CORES = {"train_single.py": [], "train_ddp.py": [], "train_fsdp.py": [], "train_tp.py": [],  # script -> it composes
          "train_2d.py": ["train_tp.py", "train_fsdp.py"], "train_pp.py": ["train_ddp.py"],
-         "train_zero.py": ["train_ddp.py"], "train_cp.py": ["train_ddp.py"]}
+         "train_zero.py": ["train_ddp.py"], "train_cp.py": ["train_ddp.py"],
+         "train_4d.py": ["train_tp.py", "train_fsdp.py", "train_pp.py", "train_cp.py", "train_ddp.py"]}
 
 
 def test_a_strategy_core_needs_torch_and_gpt_alone(tmp_path):
@@ -6846,3 +6856,143 @@ def test_cp_resumes_from_and_into_other_layouts(corpus, shared_tmp, tmp_path_fac
     assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000006")
     reference = single_run(corpus, tmp_path_factory, model="tiny", block_size=CP_BLOCK_SIZE)
     assert_runs_match(read_run(str(shared_tmp)), reference)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ---- #43 4-D: data parallel (FSDP) x pipeline x context x tensor parallel, train_4d.py
+
+_4d_runs = {}
+
+
+def _train_4d(argv):
+    """train_4d.main on this rank; returns the tokens of its sample after training."""
+    real_generate, tokens = gpt.generate, []
+    gpt.generate = lambda *args, **kwargs: tokens.append(real_generate(*args, **kwargs)) or tokens[-1]
+    try:
+        train_4d.main(argv)
+    finally:
+        gpt.generate = real_generate  # a launched world runs in the test process
+    return tokens[0].numpy()
+
+
+def run_4d(corpus, tmp_path_factory, ranks, **overrides):
+    """train_4d.py on `ranks` ranks, once per distinct flags per session, with a short sample at the end: (read_run's
+    result, each rank's sample tokens)."""
+    key = (ranks, tuple(sorted(overrides.items())))
+    if key not in _4d_runs:
+        out_dir = shared_folder(tmp_path_factory, "4d")
+        samples = run_distributed(ranks, _train_4d, flags(corpus, out_dir, sample_tokens=PP_SAMPLE_TOKENS, **overrides))
+        _4d_runs[key] = read_run(str(out_dir)), samples
+    return _4d_runs[key]
+
+
+FOUR_D_LAYOUTS = [  # (dp, pp, cp, tp), model, schedule, other flags: each axis at 1 once, both of each
+    ((2, 2, 1, 2), "tiny", "gpipe", {}),
+    ((1, 2, 2, 2), "llama-tiny", "1f1b", dict(cp_impl="ring")),
+    ((2, 1, 2, 2), "tiny", "1f1b", {}),
+    ((2, 2, 2, 1), "llama-tiny", "gpipe", {}),
+    ((2, 2, 2, 2), "tiny", "1f1b", dict(no_reshard=True)),
+    ((2, 2, 1, 2), "llama-tiny", "1f1b", {}),
+]
+
+
+@pytest.mark.parametrize("degrees, model, schedule, options", FOUR_D_LAYOUTS, ids=lambda value: "x".join(
+    f"{axis}{n}" for axis, n in zip(("dp", "pp", "cp", "tp"), value)) if isinstance(value, tuple) else
+    "-".join(f"{key} {flag}" for key, flag in value.items()) or "defaults" if isinstance(value, dict) else value)
+def test_4d_matches_single(corpus, tmp_path_factory, degrees, model, schedule, options):
+    """6 steps, accumulation 16 / (2 x dp), clipping active, at the tests' usual tolerances: losses, validation losses
+    (through the pipeline, on each rank's chunks), grad norms (each element counted once: TP slices, replicated tensors
+    on TP rank 0, FSDP shards, the tied weight on the first stage) and the weights equal train_single's. The sample
+    after training, run through the pipeline with whole logits on every rank, is the one a single device draws from
+    single's final weights."""
+    dp, pp, cp, tp = degrees
+    run, samples = run_4d(corpus, tmp_path_factory, dp * pp * cp * tp, model=model, dp=dp, pp=pp, cp=cp, tp=tp,
+                          schedule=schedule, **options)
+    reference = single_run(corpus, tmp_path_factory, model=model)
+    assert_runs_match(run, reference)
+    single = gpt.GPT(gpt.make_config(model, vocab_size=256, block_size=32))
+    single.init_weights(0, lambda name, shape: torch.from_numpy(reference.weights[name]))
+    prompt = torch.tensor([prepare_data.ByteTokenizer().encode("\n")])
+    expected = gpt.generate(single, prompt, PP_SAMPLE_TOKENS, 32, 256, temperature=0.8, top_k=40, seed=1234).numpy()
+    for tokens in samples:
+        np.testing.assert_array_equal(tokens, expected)
+
+
+def _refused_by_4d(argv):
+    """train_4d.main's refusal on this rank, which must come before its first collective."""
+    try:
+        train_4d.main(argv)
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("ranks, overrides, message", [
+    (4, dict(pp=2, cp=2, tp=2), "--dp 1 x --pp 2 x --cp 2 x --tp 2 = 8 ranks, but the world has 4"),
+    (2, dict(cp=2, block_size=30), "--cp 2 needs --block_size a multiple of 4, --dropout 0 and --attn sdpa"),
+    (2, dict(cp=2, dropout=0.1), "--cp 2 needs --block_size a multiple of 4, --dropout 0 and --attn sdpa"),
+    (3, dict(tp=3), "n_head (4) is not divisible by --tp 3"),
+    (5, dict(pp=5, global_batch=10), "--pp 5 stages, but the model has 4 layers"),
+])
+def test_4d_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path, ranks, overrides, message):
+    errors = run_distributed(ranks, _refused_by_4d, flags(corpus, tmp_path, **overrides))
+    assert all(error and message in error for error in errors), errors
+
+
+def test_4d_resumes_from_and_into_one_device(corpus, shared_tmp, tmp_path_factory):
+    """One run of 6 steps, checkpointed every 2: one device crashes at step 3; 2 stages x 2 context-parallel x 2
+    tensor-parallel ranks resume from step 2 (each reading its FSDP shard of its TP slices, both ends of a pipeline the
+    tied weight) and crash at step 5; one device resumes from step 4 (each rank's pieces, the tied weight the first
+    stage's) and finishes: train_single's 6 steps."""
+    argv = lambda **layout: flags(corpus, shared_tmp, ckpt_interval=2, **layout)  # noqa: E731
+    with one_thread():
+        assert _train_until(train_single.main, 3, argv()) == "crashed"
+    assert run_distributed(8, _train_until, train_4d.main, 5, argv(pp=2, cp=2, tp=2, resume=True)) == ["crashed"] * 8
+    with one_thread():
+        train_single.main(argv(resume=True))
+    assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000006")
+    assert_runs_match(read_run(str(shared_tmp)), single_run(corpus, tmp_path_factory))
+
+
+def _states_held_by_4d(argv):
+    """train_4d.main(argv) on this rank: the bytes of parameters, gradients and AdamW state it held."""
+    with bench.memory_held({}) as held, one_thread():
+        train_4d.main(argv)
+    return held["parameters"] + held["gradients"] + held["optimizer"]
+
+
+def test_4d_plan_counts_each_stages_shards_to_the_byte(corpus, shared_tmp, capsys):
+    """--plan knows train_4d.py: on 2 stages x 2 context-parallel x 2 tensor-parallel ranks, each rank's parameters,
+    gradients and AdamW state are its stage's TP slices in train_4d's FSDP units, each flat shard padded over the data
+    group (the 2 context-parallel ranks), as the planner counts them, to the byte; --plan prints the fullest stage."""
+    held = run_distributed(8, _states_held_by_4d, flags(corpus, shared_tmp, pp=2, cp=2, tp=2, max_steps=1))
+    config = gpt.make_config("tiny", 256, 32)
+    layout = plan.Layout("4d", 8, 1, 2, 2, pp=2, micro_batches=8, cp=2)
+    for rank, states in enumerate(held):
+        rows = plan.four_d_stage_plan(config, layout, rank // 4, train_pp.stage_layers, train_pp.schedule,
+                                      train_tp.is_sliced)
+        assert states == sum(size for _, size in rows[:3]), (rank, rows[:3])
+    rows = train_4d.main(["--plan", "--world_size", "16", "--dp", "2", "--pp", "2", "--cp", "2", "--tp", "2",
+                          "--block_size", "32"])
+    assert "4d on 16 ranks (dp 2 x tp 2 x cp 2, allgather x pp 2, 1f1b)" in capsys.readouterr().out
+    assert rows[0][0].startswith("stage ")
+
+
+@launches_its_own_ranks
+def test_4d_bench_measures_what_the_formula_says(corpus, tmp_path):
+    """What rank 0 (stage 0 of 2, of 2 context-parallel x 2 tensor-parallel ranks) sends in one step, read from the
+    profiler by bench.py, is plan.four_d_terms, the sum of the axes' own terms: the same number of collectives and the
+    bytes within 1% (the gradient norm's, the agreement's and the logged loss's 16 bytes run over all 8 ranks, which
+    bench counts in groups of 2). GPT-2 (the tied weight's sum), 1F1B, 4 micro-batches of 2, float32; bench.py
+    --strategies 4d runs the same layout beside the same formula and the planned model states."""
+    args = argparse.Namespace(model="tiny", data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
+                              dtype="float32", compile=False, threads=1)
+    extra = ["--pp", "2", "--cp", "2", "--tp", "2", "--micro_batch", "2"]
+    row = bench.run_once(args, "4d", "train_4d.py", 8, extra, None, 2, 8, str(tmp_path))
+    layout = plan.Layout("4d", 8, 1, 2, 2, pp=2, micro_batches=4, cp=2)
+    terms = plan.four_d_terms(gpt.make_config("tiny", 256, 32), layout, 0, train_pp.stage_layers, train_pp.schedule,
+                              train_tp.is_sliced, "gloo")
+    assert row["collectives"] == sum(term.count for term in terms), terms
+    assert row["comm_bytes"] == pytest.approx(sum(term.bytes for term in terms), rel=0.01), terms
+    table = bench.strategies(argparse.Namespace(global_batch=8, bucket_mb=25, sequence_parallel=False, **vars(args)))
+    assert table["4d"].formula() == terms and row["state_bytes"] == table["4d"].states()

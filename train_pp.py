@@ -45,6 +45,7 @@ class Stage(nn.Module):
         self.layers = stage_layers(model.config.n_layer, num_stages, stage)
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
+        self.positions = None  # the tokens' global positions, where train_4d.py's context parallel splits sequences
         for layer in range(model.config.n_layer):
             if layer not in self.layers:
                 model.blocks[layer] = None
@@ -68,7 +69,7 @@ class Stage(nn.Module):
         """This stage's part of gpt.GPT.forward: token ids in on the first stage, the residual stream elsewhere;
         out goes the residual stream, or on the last stage the logits (the loss, given targets)."""
         model = self.model
-        pos = torch.arange(x.shape[1], device=x.device)
+        pos = torch.arange(x.shape[1], device=x.device) if self.positions is None else self.positions
         if self.is_first:
             x = model.wte(x)
             x = model.drop(x if model.wpe is None else x + model.wpe(pos))

@@ -1,0 +1,199 @@
+"""
+4-D parallel by hand: data parallel (FSDP) x pipeline x context x tensor parallel on one grid of ranks, the layout
+Llama 3 405B was pretrained on. Each pipeline stage (train_pp.py) holds the tensor-parallel slices (train_tp.py) of its
+blocks; attention on a rank's own heads reaches the other context-parallel ranks' keys and values (train_cp.py); each
+stage's slices are fully sharded (train_fsdp.py) over the ranks that hold the same ones. The pieces are imported from
+those scripts; this file only builds the grid and composes them. Any degree may be 1.
+
+    torchrun --standalone --nproc_per_node=16 train_4d.py --dp 2 --pp 2 --cp 2 --tp 2
+    torchrun --standalone --nproc_per_node=8 train_4d.py --dp 2 --pp 2 --tp 2 --schedule gpipe
+
+Rank ((d * pp + p) * cp + c) * tp + t is tensor-parallel rank t, context-parallel rank c, stage p, data-parallel rank
+d. Innermost the axis whose collectives carry the most bytes most often, on the fastest links: TP sums activations
+twice a layer, so its peers are neighbours in a node; CP gathers keys and values once a layer, inside the node too
+where tp x cp fits; PP sends one activation a micro-batch across a stage boundary, which links between nodes carry;
+DP outermost: its gathers and reduce-scatters come once a unit a micro-batch, overlapped with compute.
+Reads top to bottom: arguments -> process groups -> model -> strategy -> loop -> checkpoint.
+"""
+
+import math
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+import gpt
+import train_cp
+import train_fsdp
+import train_pp
+import train_tp
+
+
+def grid(dp, pp, cp, tp):
+    """The global ranks of every group of each axis. FSDP shards over "data", the dp x cp ranks that hold the same
+    slices of the same stage: context-parallel ranks hold the same weights and average their gradients too."""
+    ranks = torch.arange(dp * pp * cp * tp).view(dp, pp, cp, tp)
+
+    def along(*axes):  # every group that varies `axes`, the other coordinates fixed
+        others = [axis for axis in range(4) if axis not in axes]
+        return ranks.permute(*others, *axes).reshape(-1, math.prod(ranks.shape[axis] for axis in axes)).tolist()
+    return {"tp": along(3), "cp": along(2), "pp": along(1), "data": along(0, 2)}
+
+
+def new_groups(dp, pp, cp, tp):
+    """This rank's group of each axis, by grid()'s names, and "ends": its pipeline's first and last stage, which hold
+    a tied weight twice (None if pp is 1). dist.new_group is collective: every rank creates every group, in order."""
+    layout = grid(dp, pp, cp, tp)
+    layout["ends"] = [[ranks[0], ranks[-1]] for ranks in layout["pp"]] if pp > 1 else []
+    mine = {}
+    for name, groups in layout.items():
+        created = [dist.new_group(ranks) for ranks in groups]
+        mine[name] = next((group for group, ranks in zip(created, groups) if dist.get_rank() in ranks), None)
+    return mine
+
+
+def chunks_of(batch, positions):
+    """This context-parallel rank's tokens of (ids, targets): its two chunks of every sequence; all, if positions is
+    None. Every stage of a pipeline takes the same, so each knows the shape of what it receives."""
+    return batch if positions is None else tuple(tokens[:, positions] for tokens in batch)
+
+
+def sum_tied_gradients(fsdp, group):
+    """train_pp.py's sum of the tied weight's two gradients, on the first stage's FSDP shard of wte and the last
+    stage's: each the only matrix of its flat parameter (wte's own unit; the LM head's root), so the two shards
+    cover the same elements."""
+    if group is not None:
+        dist.all_reduce(dict(fsdp.gradients())["model.wte.weight"], group=group)
+
+
+def main(argv=None):
+    import checkpoint  # main() is where a script meets the shared files; everything above needs torch and gpt.py
+    import training
+
+    parser = training.get_parser(__doc__, "4d")
+    parser.add_argument("--dp", type=training.positive_int, help="data-parallel size, FSDP (default: the rest)")
+    parser.add_argument("--pp", type=training.positive_int, default=1, help="pipeline stages, at most the layers")
+    parser.add_argument("--cp", type=training.positive_int, default=1, help="context-parallel size")
+    parser.add_argument("--tp", type=training.positive_int, default=1, help="tensor-parallel size (inside a node)")
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="the pipeline's")
+    parser.add_argument("--cp_impl", default="allgather", choices=["allgather", "ring"], help="the context's")
+    parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
+    args = training.parse(parser, argv)
+
+    # ---- process groups: a dp x pp x cp x tp grid, tensor parallel innermost; its checks before any collective
+    rank, local_rank, world_size = training.launched_rank(args)
+    pp, cp, tp = args.pp, args.cp, args.tp
+    dp = args.dp or max(1, world_size // (pp * cp * tp))
+    if dp * pp * cp * tp != world_size:
+        launch = f"launch it with torchrun --nproc_per_node={dp * pp * cp * tp}" if world_size == 1 else \
+            f"choose degrees whose product is {world_size}"
+        raise training.UsageError(f"--dp {dp} x --pp {pp} x --cp {cp} x --tp {tp} = {dp * pp * cp * tp} ranks, but "
+                                  f"the world has {world_size}: {launch}")
+    if cp > 1 and (args.block_size % (2 * cp) or args.dropout or args.attn == "flash"):
+        raise training.UsageError(f"--cp {cp} needs --block_size a multiple of {2 * cp}, --dropout 0 and --attn sdpa "
+                                  "(train_cp.py's chunks and attention over the ranks)")
+    dp_rank, stage_index, cp_rank = rank // (pp * cp * tp), rank // (cp * tp) % pp, rank // tp % cp
+    if args.micro_batch is None and args.global_batch % dp == 0:  # else training.load_data says what to change
+        args.micro_batch = train_pp.pipelined_micro_batch(args.global_batch // dp, pp)
+    if args.plan:  # the memory the fullest stage needs in this layout, and nothing else: no device, data or model
+        import plan
+        return plan.print_plan(args, world_size, dp, train_tp.is_sliced, layers=train_pp.stage_layers,
+                               schedule=train_pp.schedule)
+    device = training.get_device(args, local_rank)
+
+    # ---- data: every check of the arguments happens here, on every rank alike, before the first collective
+    meta, config, train_data, val_data = training.load_data(args, dp_rank, dp, device, is_writer=local_rank == 0)
+    training.check_tensor_parallel(config, tp, False)
+    if pp > config.n_layer:
+        raise training.UsageError(f"--pp {pp} stages, but the model has {config.n_layer} layers and a stage holds "
+                                  f"one at least: choose --pp {config.n_layer} or fewer")
+    checkpoint_path = checkpoint.to_resume(args)
+    rank, world_size, owns_group = training.init_distributed(args, device)
+    groups = new_groups(dp, pp, cp, tp)
+    torch.manual_seed(args.seed + rank // tp)  # dropout: the same generators on every TP peer, its own elsewhere
+
+    # ---- model: built on meta, split into TP slices, cut to this rank's stage, given CP's attention
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    gpt.set_attention(model, args.attn)
+    gather = train_tp.parallelize(model, groups["tp"])
+    stage = train_pp.Stage(model, stage_index, pp)
+    if stage.is_last:
+        training.sampling_hooks(stage, 1, gather)  # the sample reads whole logits, not a vocabulary slice
+    if cp > 1:
+        attention = train_cp.allgather_attention if args.cp_impl == "allgather" else train_cp.ring_attention
+        core = torch.compiler.disable(lambda q, k, v: attention(q, k, v, groups["cp"]))  # collectives: no graph
+        for layer in stage.layers:
+            model.blocks[layer].attn.attend = core
+        stage.positions = train_cp.chunk_positions(cp_rank, cp, args.block_size // (2 * cp), device)
+
+    # ---- strategy: the stage's slices fully sharded over its data group; the stages run a pipeline schedule
+    tp_boxes = {part.name: (part.shape, part.box) for part in checkpoint.parameter_parts(stage)}
+    value = training.initial_values(config, args.seed, args.init_from)  # drawn by gpt.py's name, or --init_from
+    units = ([model.wte] if stage.is_first else []) + [model.blocks[layer] for layer in stage.layers]
+    fsdp = train_fsdp.FullyShardedDataParallel(
+        stage, units, process_group=groups["data"], device=device, compute_dtype=getattr(torch, args.dtype),
+        reshard_after_forward=not args.no_reshard, tp_boxes=tp_boxes,
+        initial_value=lambda name, *where: value(name.removeprefix("model."), *where))
+    parts = [checkpoint.Part(name.removeprefix("model."), *where) for name, *where in fsdp.parts()]
+    pipeline = train_pp.PipelineParallel(fsdp, groups["pp"], config, getattr(torch, args.dtype))
+    if cp > 1:  # evaluation through the pipeline: this rank's chunks too
+        chunked = pipeline.register_forward_pre_hook(lambda module, batch: chunks_of(batch, stage.positions))
+    tp_first = dist.get_rank(groups["tp"]) == 0
+
+    def counted(name):  # each element once: a slice on its TP rank, a replicated tensor on TP rank 0, tied on stage 0
+        return (train_tp.is_sliced(name) or tp_first) and (stage.is_first or name != "model.wte.weight")
+
+    optimizer = training.make_optimizer(fsdp.parameter_groups(), args, device)
+    forward = training.wrap_blocks(pipeline, args.compile, args.activation_checkpointing)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else nullcontext()
+
+    start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device, tp)
+    logger = training.Logger(args, config, device, rank, world_size)
+    layout = grid(dp, pp, cp, tp)
+    logger.print(f"grid: {dp} data x {pp} pipeline ({args.schedule}) x {cp} context ({args.cp_impl}) x {tp} tensor | "
+                 + " | ".join(f"{name} groups {layout[name]}" for name in ("tp", "cp", "pp", "data")))
+    logger.start(train_data, dp, start_step)
+
+    # ---- loop
+    stop_request = training.StopRequest()  # SIGTERM or SIGUSR1: stop after the step, saved
+    for step in range(start_step, args.max_steps):
+        val_loss = training.evaluate(step, args, forward, val_data, autocast, groups["data"])
+        t0 = time.perf_counter()
+        lr = training.set_lr(optimizer, step, args)
+        batches = [chunks_of(train_data.get(step, micro_step), stage.positions)
+                   for micro_step in range(train_data.accumulation)]
+        loss_sum = pipeline.step(args.schedule, batches, autocast)  # each unit reduce-scattered as its backward ends
+        if config.tie_embeddings:
+            sum_tied_gradients(fsdp, groups["ends"])
+        grad_norm = fsdp.clip_grad_norm_(args.grad_clip or float("inf"), counted, group=dist.group.WORLD)
+        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        if logger.due(step, val_loss):
+            dist.all_reduce(loss_sum)  # each last stage's TP peers hold their rows' and chunks' mean; the rest zero
+            logger.log_step(step, loss_sum / (dp * cp * tp), lr, grad_norm, t0, val_loss)
+
+        # ---- checkpoint: every rank its FSDP pieces of TP-sliced tensors; replicated ones from TP rank 0
+        if checkpoint.due(step, args) or stopping:
+            owned = [part for part in parts if counted("model." + part.name)]
+            checkpoint.save(args, step + 1, checkpoint.pieces(owned, optimizer), config, device, rank, world_size, tp)
+        if stopping:
+            stop_request.stop(step + 1, args.out_dir)
+
+    if cp > 1:  # the sample runs whole sequences on every rank alike, with gpt.py's attention
+        chunked.remove()
+        stage.positions = None
+        for layer in stage.layers:
+            del model.blocks[layer].attn.attend
+    training.sample(forward, meta, args, device, autocast, show=rank == 0)  # every rank: each forward needs them all
+    if owns_group:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import training
+    training.run(main)
