@@ -4308,12 +4308,49 @@ def same_run(command):
     return re.sub(r" --[tdc]p \d+", "", command.split("train_", 1)[1])
 
 
+RUNS_IN_ONE_LAUNCH = '''
+import os, runpy, sys, warnings
+from datetime import timedelta
+
+import torch.distributed as dist
+import training
+
+exit_codes, run_and_exit = [], training.run
+training.run = lambda main: exit_codes.append(training.exit_code(main))  # a script's own end, less the exit
+
+
+def runs():
+    if "RANK" in os.environ:  # one group for every run, as under `torchrun -m pytest` (made anew, it broke a run)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    os.makedirs("runs", exist_ok=True)
+    for index, command in enumerate(sys.argv[1:]):  # each a script and its flags, as `python` would be given them
+        sys.argv = command.split()
+        with open(f"runs/{index}-rank{os.environ.get('RANK', 0)}.log", "w") as log, warnings.catch_warnings():
+            terminal = os.dup(1), os.dup(2)
+            os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)  # torch's C++ warnings too
+            try:
+                runpy.run_path(sys.argv[0], run_name="__main__")
+            finally:
+                sys.stdout.flush(), sys.stderr.flush()
+                os.dup2(terminal[0], 1), os.dup2(terminal[1], 2)
+        if exit_codes[-1]:
+            sys.exit(exit_codes[-1])
+
+
+run_and_exit(runs)
+'''
+
+
 @launches_its_own_ranks
 def test_quick_start_and_each_chapters_examples_run_in_the_readme_order(corpus, tmp_path):
     """The README's Quick start, then each chapter's examples, command after command as written, in one fresh copy of
     the scripts (its data folder is the session's corpus), with flags that only make the runs shorter: no run refuses
     a folder a run before it filled, since every script and every variant of one has its own default --out_dir. A
-    command that trains the same run as one before it on another layout (the same flags, more ranks) is left out."""
+    command that trains the same run as one before it on another layout (the same flags, more ranks) is left out.
+    The commands launched alike (`python`, or torchrun with the same flags) run in one launch, in the README's order,
+    each as its script's __main__ in turn, so torch and a launch start 3 times instead of 21: the runs share one
+    process group (each script's own, made by torchrun's rendezvous, is test_a_copied_script_runs_...'s), and each
+    run's screen, every rank's, is read apart (a warning printed once a process fails the first run that causes it)."""
     repo = tmp_path / "repo"
     repo.mkdir()
     for name in os.listdir(HERE):
@@ -4321,25 +4358,37 @@ def test_quick_start_and_each_chapters_examples_run_in_the_readme_order(corpus, 
             shutil.copy(os.path.join(HERE, name), repo)
     (repo / "data").mkdir()
     (repo / "data" / "default").symlink_to(corpus)
+    (repo / "runs_in_one_launch.py").write_text(RUNS_IN_ONE_LAUNCH)
     commands = readme_commands("Quick start", ("python train_", "torchrun"))
     assert commands[0] == "python train_single.py" and len(commands) >= 5, commands
     examples = chapter_examples()
     assert any("--stage 2" in c for c in examples) and any("--cp_impl ring" in c for c in examples), examples
-    runs = []
+    runs, launches = [], {}  # how commands are launched (torchrun's flags; none: `python`) -> the commands, in order
     for command in commands + examples:
         if "pytest" in command or same_run(command) in runs:
             continue
         runs.append(same_run(command))
-        words = command.split()[1:]
-        with launcher(tmp_path) as start:
-            code, output, _ = start(*words, *SHORTER_RUN, via_torchrun=command.startswith("torchrun"), cwd=repo).wait()
-        assert code == 0 and "from scratch" in output and "sample:" in output, f"{command}\n{output[-3000:]}"
-        # A healthy run's screen holds no warning, of Python's or torch's (e.g. a module hook that misfires), but for
-        # the pipeline's yardstick: its DistributedDataParallel needs find_unused_parameters, and says so in C++
-        if "train_pp.py --impl torch" not in command:
-            assert not re.search(r"Warning\b|\[W\d{4}", output), f"{command}\n{output[-3000:]}"
-        if command.endswith("train_pp.py"):  # the global batch of 8 pipelines as 4 micro-batches of 2: 2 x --pp
-            assert "micro batch 2 x 4 accumulation" in output and "bubble (p - 1) / (m + p - 1) = 0.20" in output
+        words = command.split()
+        script = next(i for i, word in enumerate(words) if word.endswith(".py"))
+        launches.setdefault(tuple(words[1:script]), []).append((command, " ".join(words[script:] + SHORTER_RUN)))
+    with launcher(tmp_path) as start:
+        for torchrun, started in launches.items():
+            shutil.rmtree(repo / "runs", ignore_errors=True)
+            launch = start(*torchrun, "runs_in_one_launch.py", *[run for _, run in started], cwd=repo,
+                           via_torchrun=bool(torchrun))
+            code, screen, _ = launch.wait(LAUNCH_TIMEOUT_S * len(started))
+            for index, (command, _) in enumerate(started):
+                output = "".join(log.read_text() for log in sorted((repo / "runs").glob(f"{index}-rank*.log")))
+                assert "from scratch" in output and "sample:" in output, f"{command}\n{output[-3000:]}{screen[-3000:]}"
+                # A healthy run's screen holds no warning, of Python's or torch's (e.g. a module hook that misfires),
+                # but for the pipeline's yardstick: its DistributedDataParallel needs find_unused_parameters, and says
+                # so in C++
+                if "train_pp.py --impl torch" not in command:
+                    assert not re.search(r"Warning\b|\[W\d{4}", output), f"{command}\n{output[-3000:]}"
+                if command.endswith("train_pp.py"):  # the global batch of 8 pipelines as 4 micro-batches of 2: 2 x pp
+                    assert "micro batch 2 x 4 accumulation" in output, output
+                    assert "bubble (p - 1) / (m + p - 1) = 0.20" in output, output
+            assert code == 0 and not re.search(r"Warning\b|\[W\d{4}", screen), f"{started}\n{screen[-3000:]}"
     assert sorted(os.listdir(repo / "out")) == [
         "2d", "2d-sequence_parallel", "2d-torch", "cp", "cp-ring", "ddp", "ddp-torch", "fsdp", "fsdp-replicate2",
         "fsdp-torch", "llama-tiny", "pp", "pp-gpipe", "pp-torch", "single", "tp", "tp-sequence_parallel", "tp-torch",
