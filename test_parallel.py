@@ -2472,24 +2472,14 @@ def test_fsdp_bfloat16_close_to_float32(corpus, shared_tmp, tmp_path_factory):
 
 @launches_its_own_ranks  # 1, 2 and 4 ranks in turn
 @one_thread()
-def test_fsdp_checkpoint_resumes_anywhere(corpus, tmp_path, tmp_path_factory):
-    """A checkpoint written by FSDP at 2 ranks resumes under train_single and under FSDP at 4 ranks, and one
-    written by train_single resumes under FSDP at 2 ranks: the same losses and weights as an unbroken run."""
-    reference = single_run(corpus, tmp_path_factory)
-    fsdp_saved, single_saved = tmp_path / "fsdp", tmp_path / "single"
-    crashed = run_distributed(2, _train_until, train_fsdp.main, 4, flags(corpus, fsdp_saved, ckpt_interval=3))
-    assert crashed == ["crashed"] * 2
-    assert _train_until(train_single.main, 4, flags(corpus, single_saved, ckpt_interval=3)) == "crashed"
-    for saved, resumed_by, world_size in [(fsdp_saved, "single", 1), (fsdp_saved, "fsdp", 4),
-                                          (single_saved, "fsdp", 2)]:
-        out_dir = tmp_path / f"{saved.name}-resumed-by-{resumed_by}-{world_size}"
-        shutil.copytree(saved, out_dir)
-        argv = flags(corpus, out_dir, ckpt_interval=3, resume=True)
-        if resumed_by == "single":
-            train_single.main(argv)
-        else:
-            run_distributed(world_size, train_fsdp.main, argv)
-        assert_runs_match(read_run(str(out_dir)), reference)
+def test_fsdp_checkpoint_resumes_at_another_world_size(corpus, tmp_path, tmp_path_factory, saved):
+    """A checkpoint written by FSDP at 2 ranks (test_every_layout_resumes_every_other's, step 3) resumes under FSDP at
+    4 ranks, every flat shard cut elsewhere: the same losses and weights as an unbroken run. FSDP to and from
+    train_single.py is one of that test's pairs."""
+    out_dir = tmp_path / "run"
+    shutil.copytree(saved["fsdp"], out_dir)
+    run_distributed(4, train_fsdp.main, flags(corpus, out_dir, ckpt_interval=SAVED_AT, resume=True))
+    assert_runs_match(read_run(str(out_dir)), single_run(corpus, tmp_path_factory))
 
 
 # ------------------------------------------------------------------------------------------------------------
