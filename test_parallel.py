@@ -521,13 +521,15 @@ def test_every_advertised_configuration_passes_the_layout_checks():
         nodes = option("--nnodes", "1")  # a number, or a scheduler's variable ($SLURM_JOB_NUM_NODES)
         ranks = int(option("--nproc_per_node", 1)) * (int(nodes) if nodes.isdigit() else 1)
         ranks = int(option("--world_size", ranks)) if "--plan" in command else ranks  # planned, not launched
-        pretrained = option("--init_from", "tiny").replace("llama-3", "llama3")  # the hub's Llama-3.1-8B: llama3.1-8b
+        ranks = int((re.findall(r"simulate\.py \d+/(\d+)", command) or [ranks])[0])  # one rank of a simulated world
+        pretrained = os.path.basename(option("--init_from", "tiny")).replace("llama-3", "llama3")  # the hub's
+        # Llama-3.1-8B, or a local copy of it in /local/llama-3.1-8b: llama3.1-8b
         model = option("--model", pretrained if pretrained in gpt.PRESETS else "tiny")
         vocab_size = 256 if model in ("tiny", "llama-tiny") else 128256 if model.startswith("llama") else 50257
         config = gpt.make_config(model, vocab_size, int(option("--block_size", 128)))
         tp = {"tp": int(option("--tp", ranks)), "2d": int(option("--tp", 2))}.get(script, 1)
         training.check_tensor_parallel(config, tp, "--sequence_parallel" in command)
-        if script == "2d":
+        if script == "2d" and (nodes.isdigit() or "--plan" in command):  # a scheduler's node count: ranks unknown
             assert tp * int(option("--dp", ranks // tp)) == ranks, command
     readme = "\n".join(documentation().values()).replace("\n", " ")
     for preset, script, options in re.findall(r"`(tiny|gpt[23][\w.-]*|llama[\w.-]*)`[^`]*?`train_(\w+)\.py([^`]*)`",
