@@ -109,7 +109,7 @@ def memory_held(measured):
     saves for backward during the first micro-batch's forward ("activations"), each storage once. Our FSDP's
     gathered `full` buffers are weights, freed after use, and the rank's parameters are never activations; a
     checkpointed block's inputs are (torch's checkpoint saves them). With our FSDP, "gathered weights": the most
-    bytes of gathered units at once while that forward saves (a unit and the next one's prefetch)."""
+    bytes of gathered units at once over the first step, forward and backward, sampled at every gather."""
     from torch.distributed.tensor import DTensor
 
     saved, parameters, flats = {}, set(), []  # flats: our FSDP's, whose gathered `full` buffers are weights
@@ -121,9 +121,17 @@ def memory_held(measured):
         gathered = {flat.full.data_ptr(): flat.full.untyped_storage().nbytes() for flat in flats if flat.is_gathered()}
         if storage.data_ptr() not in parameters | gathered.keys():
             saved[storage.data_ptr()] = storage.nbytes()
-        if flats:
-            measured["gathered weights"] = max(measured.get("gathered weights", 0), sum(gathered.values()))
         return tensor
+
+    def sampled(flat):  # a gather is the one place the gathered bytes grow: sample there, forward and backward
+        start_gather = flat.start_gather
+
+        def sampling():
+            start_gather()
+            if "parameters" not in measured:  # the first step
+                held = sum(other.full.untyped_storage().nbytes() for other in flats if other.is_gathered())
+                measured["gathered weights"] = max(measured.get("gathered weights", 0), held)
+        flat.start_gather = sampling
 
     real_wrap_blocks = training.wrap_blocks
 
@@ -131,6 +139,8 @@ def memory_held(measured):
         model = real_wrap_blocks(model, *args)
         parameters.update(local(p).untyped_storage().data_ptr() for p in model.parameters())
         flats.extend(getattr(model, "flats", []))
+        for flat in flats:
+            sampled(flat)
         forward = model.forward
 
         def counted(*inputs):

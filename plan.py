@@ -250,7 +250,11 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
         return context_parallel_plan(config, layout)
     params, tensors, gathered, cast = parameter_plan(config, layout, sliced, units)
     largest = max((n for n, _, _ in gathered), default=0)  # FSDP: the largest unit's elements
-    others = [size for _, size, kept in gathered if not kept]  # gathered for each use, the one computing with the next
+    tied = [kept and index < len(gathered) - 1 for index, (*_, kept) in enumerate(gathered)]  # gathered all step
+    # The rest: a unit is gathered beside one neighbour in run order (forward prefetches the next, backward the one
+    # before). The last unit (the LM head's), kept from its forward to its backward, is freed as its backward ends,
+    # before the last block's backward prefetches the block before: it never meets two others
+    others = [size for (_, size, _), all_step in zip(gathered, tied) if not all_step]
     moving = max([a + b for a, b in zip(others, others[1:])] or others or [0])
     activations, recompute = activation_plan(config, layout)
     e = 2 if layout.dtype == "bfloat16" else 4
@@ -276,12 +280,11 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
     if recompute:
         rows.append(("one block recomputed in backward (--activation_checkpointing)", recompute))
     if fsdp:
-        kept = sum(kept for *_, kept in gathered)  # from forward to backward: the last unit, and (tied) the embeddings'
         gathered_weights = f"gathered weights ({'bfloat16 matrices' if e == 2 else 'float32'}): "
-        rows.append((gathered_weights + f"{kept} unit{'s' * (kept > 1)} kept, 2 others"
+        rows.append((gathered_weights + ("tied unit, 2 neighbours" if any(tied) else "2 neighbouring units")
                      if layout.reshard else gathered_weights + "every unit",
-                     sum(size for _, size, kept in gathered if kept) + moving if layout.reshard else
-                     sum(size for _, size, _ in gathered)))
+                     sum(size for (_, size, _), all_step in zip(gathered, tied) if all_step) + moving
+                     if layout.reshard else sum(size for _, size, _ in gathered)))
         rows.append(("a unit's gradients, copied into its float32 reduce-scatter buffer",
                      max((size + 4 * n for n, size, _ in gathered), default=0)))
     rows.append(("logits and their gradient", logits * (e + 4)))
