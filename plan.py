@@ -493,8 +493,8 @@ def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
              4 * params),
             ("gradients (float32)", 4 * params),
             ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * tensors),
-            (f"activations of {in_flight} micro-batch{'es' * (in_flight > 1)} in flight ({layout.schedule}), "
-             f"{tokens // layout.micro_batch} tokens a sequence", in_flight * per_micro_batch),
+            (f"activations, {in_flight} micro-batch{'es' * (in_flight > 1)} in flight ({layout.schedule}) of "
+             f"{tokens // layout.micro_batch} tokens", in_flight * per_micro_batch),
             (f"gathered weights: {sum(kept)} unit{'s' * (sum(kept) > 1)} kept for backward, 2 others ({layout.dtype})"
              if layout.reshard else f"gathered weights: every unit ({layout.dtype})",
              e * (sum(n for n, keep in zip(gathered, kept) if keep) + moving if layout.reshard else sum(gathered))),
