@@ -79,6 +79,7 @@ def main(argv=None):
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="the pipeline's")
     parser.add_argument("--cp_impl", default="allgather", choices=["allgather", "ring"], help="the context's")
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
+    parser.add_argument("--sequence_parallel", action="store_true", help="not yet under 4-D: refused, saying why")
     args = training.parse(parser, argv)
 
     # ---- process groups: a dp x pp x cp x tp grid, tensor parallel innermost; its checks before any collective
@@ -93,6 +94,9 @@ def main(argv=None):
     if cp > 1 and (args.block_size % (2 * cp) or args.dropout or args.attn == "flash"):
         raise training.UsageError(f"--cp {cp} needs --block_size a multiple of {2 * cp}, --dropout 0 and --attn sdpa "
                                   "(train_cp.py's chunks and attention over the ranks)")
+    if args.sequence_parallel:
+        raise training.UsageError("--sequence_parallel is not yet in train_4d.py (a stage's point-to-point buffers and "
+                                  "the sample hold whole sequences): drop it, or use train_2d.py for it")
     dp_rank, stage_index, cp_rank = rank // (pp * cp * tp), rank // (cp * tp) % pp, rank // tp % cp
     if args.micro_batch is None and args.global_batch % dp == 0:  # else training.load_data says what to change
         args.micro_batch = train_pp.pipelined_micro_batch(args.global_batch // dp, pp)
