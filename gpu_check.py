@@ -37,7 +37,11 @@ import plan
 import prepare_data
 import training
 
-TOLERANCE = 2e-2  # bf16 autocast against float32: measured ~1e-3 relative on the tiny model's losses
+TOLERANCE = 1e-2  # bf16 autocast against float32 at STABLE_LR: 1e-4 relative on the tiny model's losses (CPU, 20 steps)
+# The default peak (3e-3 after 5 warmup steps) spikes the tiny model's loss near step 11, where rounding alone moves a
+# run by percents (one device in bf16 against float32, 20 steps: 3.7% on CPU, 1.3% on an H200, and 1.3% to 16.7% for
+# the other scripts there): the equivalence rows train at a third of it, smoothly, so a difference is a fault.
+STABLE_LR = ["--lr", "1e-3", "--min_lr", "1e-4"]
 EQUIVALENCE = [["train_single.py"], ["train_ddp.py"], ["train_fsdp.py"], ["train_tp.py", "--tp", "1"],
                ["train_tp.py", "--tp", "1", "--sequence_parallel"], ["train_2d.py", "--tp", "1", "--dp", "1"],
                ["train_pp.py", "--pp", "1"], ["train_cp.py", "--cp", "1"],
@@ -64,9 +68,11 @@ def planned_micro_batch(config, layout, memory):
 
 
 def error_of(output):
-    """The line of a failed run's output that says what went wrong: its last exception, or its last line."""
+    """The line of a failed run's output that says what went wrong: its last exception (Python's, or the message of
+    a C++ one that aborted the process), or its last line."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if re.search(r"(Error|Exception)\b|^error:", line) and "ChildFailed" not in line]
+    errors = [line for line in lines if re.search(r"(^|\s)([\w.]*(Error|Exception)|error|what\(\)):", line)
+              and "ChildFailed" not in line]
     return (errors or lines or ["no output"])[-1]
 
 
@@ -142,7 +148,8 @@ class Check:
     def equivalence(self, flags):
         """Every script in `flags` (the fast path) against train_single.py in float32 on --model and --data."""
         args = self.args
-        common = bench.run_flags(args.model, args.data, args.block_size, args.global_batch, args.steps, args.device)
+        common = bench.run_flags(args.model, args.data, args.block_size, args.global_batch, args.steps,
+                                 args.device) + STABLE_LR
         first = {"row": "reference: train_single.py float32", "status": ""}
         reference = self.run(first, ["train_single.py"] + common + ["--dtype", "float32"])
         self.report(dict(first, loss=reference[-1]["loss"]) if reference else first)
@@ -150,8 +157,9 @@ class Check:
             row = {"row": " ".join(script), "status": "not run: the reference failed"}
             records = self.run(row, script + common + flags) if first["status"] != "FAILED" else None
             if records:
-                row["max_relative_loss_difference"] = max(abs(r["loss"] - e["loss"]) / e["loss"]
-                                                          for r, e in zip(records, reference))
+                differences = [abs(r["loss"] - e["loss"]) / e["loss"] for r, e in zip(records, reference)]
+                row["max_relative_loss_difference"] = max(differences)
+                row["at_step"] = differences.index(max(differences))
                 row["status"] = "ok" if row["max_relative_loss_difference"] < TOLERANCE else "FAILED"
             self.report(row)
 

@@ -1746,8 +1746,22 @@ def test_gpu_check_reports_each_row_before_the_next_run(corpus, tmp_path, monkey
     headline, reference = runs[0]["command"], runs[1]["command"]
     assert headline[0] == "train_single.py" and "--compile" in headline and "bfloat16" in headline
     assert "--compile" not in reference and reference[reference.index("--dtype") + 1] == "float32"
+    assert all(" ".join(gpu_check.STABLE_LR) in " ".join(run["command"]) for run in runs[1:-2])
+    assert "--lr" not in headline and all(row["at_step"] == 0 for row in rows[4:-3] if "not run" not in row["status"])
     assert "--activation_checkpointing" in runs[-2]["command"] and rows[-3]["micro_batch"] == 64
     assert rows[-1]["processes"] == 15 and rows[-1]["compiled"] == 14 and rows[-1]["not_run"] == []
+
+
+def test_gpu_check_names_the_error_that_ended_a_run():
+    """A failed run's row names its last exception: Python's, under torchrun's rank prefix, or the message of a C++
+    one that aborted the process (not the first frame of its stack, nor torchrun's ChildFailedError)."""
+    aborted = ("terminate called after throwing an instance of 'c10::Error'\n  what():  CUDA error: an illegal memory "
+               "access was encountered\nException raised from c10_cuda_check_implementation (most recent call first)"
+               ":\nframe #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d\n"
+               "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n  traceback : Signal 6 (SIGABRT)")
+    assert gpu_check.error_of(aborted) == "what():  CUDA error: an illegal memory access was encountered"
+    assert gpu_check.error_of("RuntimeError: first\n[rank0]: ValueError: last\nexit") == "[rank0]: ValueError: last"
+    assert gpu_check.error_of("usage: x\nerror: unrecognized arguments: --foo") == "error: unrecognized arguments: --foo"
 
 
 @launches_its_own_ranks

@@ -141,15 +141,15 @@ LSE_ALIGNMENT = 32
 
 def fused_block_attention(q, k, v, diagonal):
     group, length = q.shape[2], q.shape[-2]
-    q, k, v = (t.expand(-1, -1, group, -1, -1).flatten(1, 2) for t in (q, k, v))  # [B, n_head, L, head_dim]
+    q, k, v = (t.expand(-1, -1, group, -1, -1).flatten(1, 2).contiguous() for t in (q, k, v))  # [B, n_head, L, hd]
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, diagonal)
     return out.unflatten(1, (-1, group)).float(), lse[..., :length].unflatten(1, (-1, group))
 
 
 def fused_block_attention_backward(q, k, v, grad_out, out, lse, diagonal):
     group, length = q.shape[2], q.shape[-2]
-    q, k, v = (t.expand(-1, -1, group, -1, -1).flatten(1, 2) for t in (q, k, v))
-    grad_out, out = (t.to(q.dtype).flatten(1, 2) for t in (grad_out, out))
+    q, k, v = (t.expand(-1, -1, group, -1, -1).flatten(1, 2).contiguous() for t in (q, k, v))
+    grad_out, out = (t.to(q.dtype).flatten(1, 2).contiguous() for t in (grad_out, out))  # the ring's slices
     lse = F.pad(lse.flatten(1, 2), (0, -(-length // LSE_ALIGNMENT) * LSE_ALIGNMENT - length))  # the kernel's layout
     unused = torch.zeros((), dtype=torch.int64)  # the dropout generator's seed and offset: no dropout here
     grad_q, grad_k, grad_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
