@@ -135,7 +135,9 @@ def block_attention_backward(q, k, v, grad_out, out, lse, delta, diagonal):
 
 # CUDA's memory-efficient attention kernel (any float dtype; it returns the log-sum-exp, padded to 32 queries) on one
 # block, as torch's context_parallel calls it. k and v are expanded to every query head: the kernel shares none.
-# Not yet run on a GPU.
+# Backward runs it in float32: given the ring's final output in bfloat16, its dQ and dK were wrong on an H200 (2.05
+# relative to float32 SDPA's, dV right: its own delta = rowsum(dO·O) seemingly reads O in the forward's memory
+# layout), in float32 all three within 2.1e-7 (torch 2.11).
 LSE_ALIGNMENT = 32
 
 
@@ -148,8 +150,8 @@ def fused_block_attention(q, k, v, diagonal):
 
 def fused_block_attention_backward(q, k, v, grad_out, out, lse, diagonal):
     group, length = q.shape[2], q.shape[-2]
-    q, k, v = (t.expand(-1, -1, group, -1, -1).flatten(1, 2).contiguous() for t in (q, k, v))
-    grad_out, out = (t.to(q.dtype).flatten(1, 2).contiguous() for t in (grad_out, out))  # the ring's slices
+    q, k, v = (t.expand(-1, -1, group, -1, -1).flatten(1, 2).float().contiguous() for t in (q, k, v))
+    grad_out, out = (t.flatten(1, 2).float().contiguous() for t in (grad_out, out))  # out: the ring's, float32
     lse = F.pad(lse.flatten(1, 2), (0, -(-length // LSE_ALIGNMENT) * LSE_ALIGNMENT - length))  # the kernel's layout
     unused = torch.zeros((), dtype=torch.int64)  # the dropout generator's seed and offset: no dropout here
     grad_q, grad_k, grad_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
