@@ -23,17 +23,14 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-# Megatron-LM's mappings: a collective in forward, its conjugate in backward, on [batch, sequence, hidden] (sequence
-# parallelism splits dim 1). The collectives run eager under --compile: compiled on an H200 (NCCL), sequence
-# parallelism's loss left float32's by 10.5% at step 4; eager, by 8.4e-5 (gpu_check.py's stable learning rate).
-@torch.compiler.disable
+# Megatron-LM's mappings: a collective in forward, its conjugate in backward. Activations are gpt.py's [batch,
+# sequence, hidden]; sequence parallelism splits dim 1, so its collectives copy to or from rank-after-rank order.
 def _all_gather(x, dim, group):  # every rank's x, concatenated along dim
     gathered = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])  # rank after rank
     all_gather_single(gathered, x.contiguous(), group=group)
     return torch.cat(gathered.chunk(dist.get_world_size(group)), dim)
 
 
-@torch.compiler.disable
 def _reduce_scatter(x, dim, group):  # this rank's chunk, along dim, of the sum of every rank's x
     world = dist.get_world_size(group)
     chunks = torch.cat(x.chunk(world, dim))  # chunk i where the collective looks for rank i's
@@ -109,12 +106,15 @@ def compute_dtype(x):
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+# Eager under --compile: traced, sequence parallelism's collectives gave wrong losses on an H200 (10.5% by step 4).
+@torch.compiler.disable
 def f(x, group, sequence_parallel):
     """Megatron's f, where a tensor-parallel region starts: copy the input in, or gather its sequence shards."""
     region = GatherFromSequenceParallelRegion if sequence_parallel else CopyToTensorParallelRegion
     return region.apply(x.to(compute_dtype(x)), group)
 
 
+@torch.compiler.disable
 def g(x, group, sequence_parallel):
     """Megatron's g, f's conjugate, where the region ends: sum the partial products, or reduce-scatter them, in x's
     dtype: a matmul's output is autocast's already, and the embedding's stays float32, the residual stream's dtype
