@@ -2579,7 +2579,8 @@ def _gradient_errors(sequence_parallel, loss_parallel, dropout):
     loss.backward()
     parts = checkpoint.parameter_parts(model)
     if sequence_parallel:
-        train_tp.allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD, "cpu")
+        train_tp.allreduce_replicated_grads([(name, p.grad) for name, p in model.named_parameters()],
+                                            dist.group.WORLD, "cpu")
     errors = {"loss": abs(loss.item() - expected_loss.item()) / loss.item()}
     for name, param, part in ((part.name, part.tensor, part) for part in parts):
         expected = full[name].grad[tuple(slice(*box) for box in part.box)]
@@ -5985,7 +5986,8 @@ def _llama_gradient_errors(sequence_parallel, loss_parallel):
     model(idx, targets).backward()
     parts = checkpoint.parameter_parts(model)
     if sequence_parallel:
-        train_tp.allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD, "cpu")
+        train_tp.allreduce_replicated_grads([(name, p.grad) for name, p in model.named_parameters()],
+                                            dist.group.WORLD, "cpu")
     errors = {}
     for part in parts:
         expected = full[part.name].grad[tuple(slice(*box) for box in part.box)]
@@ -6974,9 +6976,9 @@ def run_4d(corpus, tmp_path_factory, ranks, **overrides):
 
 
 FOUR_D_LAYOUTS = [  # (dp, pp, cp, tp), model, schedule, other flags: each axis at 1 once, both of each
-    ((2, 2, 1, 2), "tiny", "gpipe", {}),
+    ((2, 2, 1, 2), "tiny", "gpipe", dict(dp_impl="ddp", sequence_parallel=True)),
     ((1, 2, 2, 2), "llama-tiny", "1f1b", dict(cp_impl="ring")),
-    ((2, 1, 2, 2), "tiny", "1f1b", {}),
+    ((2, 1, 2, 2), "tiny", "1f1b", dict(sequence_parallel=True)),
     ((2, 2, 2, 1), "llama-tiny", "gpipe", {}),
     ((2, 2, 2, 2), "tiny", "1f1b", dict(no_reshard=True)),
     ((2, 2, 1, 2), "llama-tiny", "1f1b", {}),
@@ -7020,7 +7022,7 @@ def _refused_by_4d(argv):
     (2, dict(cp=2, dropout=0.1), "--cp 2 needs --block_size a multiple of 4, --dropout 0 and --attn sdpa"),
     (3, dict(tp=3), "n_head (4) is not divisible by --tp 3"),
     (5, dict(pp=5, global_batch=10), "--pp 5 stages, but the model has 4 layers"),
-    (2, dict(tp=2, sequence_parallel=True), "--sequence_parallel is not yet in train_4d.py"),
+    (8, dict(cp=2, tp=4, sequence_parallel=True, block_size=36), "--cp 2 needs --block_size a multiple of 8"),
 ])
 def test_4d_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path, ranks, overrides, message):
     errors = run_distributed(ranks, _refused_by_4d, flags(corpus, tmp_path, **overrides))
