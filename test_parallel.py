@@ -3002,7 +3002,8 @@ def test_bfloat16_every_layout_close_to_single(corpus, shared_tmp, tmp_path_fact
 
 
 DTYPE_LAYOUTS = dict(LAYOUTS, zero=(train_zero.main, 2, {}), tp_no_sequence_parallel=(train_tp.main, 2, {}),
-                     pp=(train_pp.main, 2, {}), cp=(train_cp.main, 2, {}), cp_ring=(train_cp.main, 2, dict(cp_impl="ring")))
+                     pp=(train_pp.main, 2, {}), cp=(train_cp.main, 2, {}), cp_ring=(train_cp.main, 2, dict(cp_impl="ring")),
+                     four_d=(train_4d.main, 4, dict(pp=2, tp=2)))
 
 
 def _norm_and_block_inputs_of_main(main, argv):
