@@ -143,11 +143,12 @@ def main(argv=None):
     tp_boxes = {part.name: (part.shape, part.box) for part in checkpoint.parameter_parts(stage)}
     value = training.initial_values(config, args.seed, args.init_from)  # drawn by gpt.py's name, or --init_from
     tp_first, replica_first = dist.get_rank(groups["tp"]) == 0, dist.get_rank(groups["data"]) == 0
+    sharded = args.dp_impl == "fsdp"
 
     def counted(name):  # each element once: a slice on its TP rank, a replicated tensor on TP rank 0, tied on stage 0
         return (train_tp.is_sliced(name) or tp_first) and (stage.is_first or not name.endswith("wte.weight"))
 
-    if args.dp_impl == "fsdp":
+    if sharded:
         units = ([model.wte] if stage.is_first else []) + [model.blocks[layer] for layer in stage.layers]
         fsdp = train_fsdp.FullyShardedDataParallel(
             stage, units, process_group=groups["data"], device=device, compute_dtype=getattr(torch, args.dtype),
@@ -197,7 +198,7 @@ def main(argv=None):
         diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
-        optimizer.zero_grad(set_to_none=args.dp_impl == "fsdp")  # DDP's gradients are views into its buckets
+        optimizer.zero_grad(set_to_none=sharded)  # DDP's gradients are views into its buckets
 
         if logger.due(step, val_loss):
             dist.all_reduce(loss_sum)  # each last stage's TP peers hold their rows' and chunks' mean; the rest zero
@@ -206,7 +207,7 @@ def main(argv=None):
         # ---- checkpoint: every rank its FSDP pieces (DDP: the first replica) of TP-sliced tensors; replicated ones
         # from TP rank 0
         if checkpoint.due(step, args) or stopping:
-            owned = [part for part in parts if counted("model." + part.name) and (args.dp_impl == "fsdp" or replica_first)]
+            owned = [part for part in parts if counted("model." + part.name) and (sharded or replica_first)]
             checkpoint.save(args, step + 1, checkpoint.pieces(owned, optimizer), config, device, rank, world_size, tp)
         if stopping:
             stop_request.stop(step + 1, args.out_dir)
