@@ -534,7 +534,7 @@ def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
     if fsdp:
         kept_too = forwards_in_a_row and len(rest) > 2  # the last block beside a pair of others
         gathered_weights = f"gathered weights ({'bfloat16 matrices' if e == 2 else 'float32'}): "
-        rows += [(gathered_weights + ("the root, 2 neighbouring units" + ", the last block" * kept_too
+        rows += [(gathered_weights + ("root, a pair" + ", last block" * kept_too
                                       if layout.reshard else "every unit"),
                   root + max(pairs or rest or [0]) if layout.reshard else sum(gathered)),
                  ("a unit's gradients, copied into its float32 reduce-scatter buffer",
