@@ -87,7 +87,11 @@ def main(argv=None):
     parser.add_argument("--cp_impl", default="allgather", choices=["allgather", "ring"], help="the context's")
     parser.add_argument("--no_reshard", action="store_true", help="keep each unit gathered from forward to backward")
     parser.add_argument("--sequence_parallel", action="store_true", help="layer norms and dropout on sequence shards")
+    parser.add_argument("--impl", default="ours", choices=["ours", "torch"], help="torch: refused, no 4-D yardstick")
     args = training.parse(parser, argv)
+    if args.impl == "torch":
+        raise training.UsageError("train_4d.py has no --impl torch (torch_reference.py composes no 4-D layout): drop "
+                                  "it, or compare an axis with train_2d.py, train_pp.py or train_cp.py --impl torch")
 
     # ---- process groups: a dp x pp x cp x tp grid, tensor parallel innermost; its checks before any collective
     rank, local_rank, world_size = training.launched_rank(args)
