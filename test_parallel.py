@@ -7032,14 +7032,18 @@ def test_4d_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tm
 
 
 def test_4d_resumes_from_and_into_one_device(corpus, shared_tmp, tmp_path_factory):
-    """One run of 6 steps, checkpointed every 2: one device crashes at step 3; 2 stages x 2 context-parallel x 2
+    """One run of 6 steps, checkpointed every step: one device crashes at step 2; 2 stages x 2 context-parallel x 2
     tensor-parallel ranks resume from step 2 (each reading its FSDP shard of its TP slices, both ends of a pipeline the
-    tied weight) and crash at step 5; one device resumes from step 4 (each rank's pieces, the tied weight the first
-    stage's) and finishes: train_single's 6 steps."""
-    argv = lambda **layout: flags(corpus, shared_tmp, ckpt_interval=2, **layout)  # noqa: E731
+    tied weight) and crash at step 4; 2 replicas (--dp_impl ddp) x 2 stages x 2 TP ranks resume from step 4 (whole TP
+    slices) and crash at step 5, the first replica having saved; one device resumes from step 5 (each rank's pieces,
+    the tied weight the first stage's) and finishes: train_single's 6 steps."""
+    argv = lambda **layout: flags(corpus, shared_tmp, ckpt_interval=1, **layout)  # noqa: E731
     with one_thread():
-        assert _train_until(train_single.main, 3, argv()) == "crashed"
-    assert run_distributed(8, _train_until, train_4d.main, 5, argv(pp=2, cp=2, tp=2, resume=True)) == ["crashed"] * 8
+        assert _train_until(train_single.main, 2, argv()) == "crashed"
+    assert run_distributed(8, _train_until, train_4d.main, 4, argv(pp=2, cp=2, tp=2, resume=True)) == ["crashed"] * 8
+    ddp = argv(dp=2, pp=2, tp=2, dp_impl="ddp", resume=True)
+    assert run_distributed(8, _train_until, train_4d.main, 5, ddp) == ["crashed"] * 8
+    assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000005")
     with one_thread():
         train_single.main(argv(resume=True))
     assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000006")
