@@ -529,8 +529,8 @@ def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
     cast = head if fsdp else sum(sizes[name] for name in names if is_matmul_weight(name, config)
                                  and not (name.startswith("wte") and not last))
     if e == 2 and cast:
-        rows.append(("bfloat16 copies of the " + ("tied LM head" if fsdp else "weights")
-                     + ", one a micro-batch in flight (autocast)", in_flight * 2 * cast))
+        rows.append(("bfloat16 copies of the tied LM head, one a micro-batch (autocast)" if fsdp else
+                     "bfloat16 weight copies, one a micro-batch in flight (autocast)", in_flight * 2 * cast))
     if fsdp:
         kept_too = forwards_in_a_row and len(rest) > 2  # the last block beside a pair of others
         gathered_weights = f"gathered weights ({'bfloat16 matrices' if e == 2 else 'float32'}): "

@@ -4608,7 +4608,7 @@ def _printed(main, argv):
     (train_fsdp.main, 2, {}, "| FSDP |"), (train_fsdp.main, 4, dict(replicate=2), "| HSDP 2 x 2 |"),
     (train_tp.main, 2, {}, "| tensor parallel 2 "), (train_2d.main, 4, {}, "grid: 2 data-parallel x 2 tensor-parallel"),
     (train_pp.main, 2, {}, "pipeline: 2 stages"), (train_cp.main, 2, {}, "| 2 context-parallel (allgather) |"),
-    (train_4d.main, 2, {}, "grid: 2 data x 1 pipeline"),
+    (train_4d.main, 2, {}, "grid: 2 data (fsdp) x 1 pipeline"),
 ])
 def test_every_scripts_first_line_names_its_strategy(corpus, shared_tmp, main, ranks, extra, strategy):
     """What a user sees first says which strategy runs: no two first lines alike but for the numbers."""

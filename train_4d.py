@@ -181,7 +181,8 @@ def main(argv=None):
     start_step = checkpoint.resume(checkpoint_path, parts, optimizer, config, rank, device, tp)
     logger = training.Logger(args, config, device, rank, world_size)
     layout = grid(dp, pp, cp, tp)
-    logger.print(f"grid: {dp} data x {pp} pipeline ({args.schedule}) x {cp} context ({args.cp_impl}) x {tp} tensor | "
+    logger.print(f"grid: {dp} data ({args.dp_impl}) x {pp} pipeline ({args.schedule}) x {cp} context ({args.cp_impl}) "
+                 f"x {tp} tensor{' (sequence parallel)' * args.sequence_parallel} | "
                  + " | ".join(f"{name} groups {layout[name]}" for name in ("tp", "cp", "pp", "data")))
     logger.start(train_data, dp, start_step)
 
