@@ -164,12 +164,12 @@ def main(argv=None):
         clip_grad_norm = partial(fsdp.clip_grad_norm_, counted=counted, group=dist.group.WORLD)  # shards: disjoint
     else:  # each rank its whole TP slices, their gradients averaged over the data group in the last backward
         stage.init_weights(device, lambda name, shape: value(name, *tp_boxes["model." + name]))
-        replica, module, parts = train_ddp.DataParallel(stage, process_group=groups["data"]), stage, None
+        replica, module = train_ddp.DataParallel(stage, process_group=groups["data"]), stage
+        parts = checkpoint.parameter_parts(model)  # gpt.py's names, as a checkpoint stores them
         parameter_groups, no_sync = training.decay_groups(model.parameters()), replica.no_sync
         gradients = lambda: [(name, param.grad) for name, param in stage.named_parameters()]  # noqa: E731
         sum_tied = partial(train_pp.sum_tied_gradients, stage, groups["ends"])
         clip_grad_norm = partial(train_pp.clip_grad_norm_, stage, group=groups["model"], counted=counted)  # a replica
-    parts = parts or checkpoint.parameter_parts(model)
     pipeline = train_pp.PipelineParallel(module, groups["pp"], config, getattr(torch, args.dtype),
                                          tp if args.sequence_parallel else 1)
     if cp > 1:  # evaluation through the pipeline: this rank's chunks too

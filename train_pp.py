@@ -110,7 +110,7 @@ class PipelineParallel(nn.Module):
     """The pipeline of one rank, seen from its Stage. forward() runs one batch through every stage without autograd
     (evaluation, sampling); step() runs the forward and backward of every micro-batch of an optimizer step in a
     schedule's order. Every rank of a pipeline is given the same token ids, so it knows the shape of what it
-    receives, [*ids.shape, n_embd], without asking; and every rank is given the same `dtype` (the compute dtype),
+    receives, [batch, tokens / sequence_shards, n_embd], without asking; and every rank is given the same `dtype` (the compute dtype),
     in which it sends and receives activations and gradients alike: sender and receiver agree by construction. The
     residual stream stays float32 inside a stage (the blocks add autocast's bf16 outputs to it). sequence_shards:
     train_4d.py's sequence parallelism, under which a stage sends its 1/sequence_shards of the tokens."""
@@ -205,9 +205,9 @@ def clip_grad_norm_(stage, max_norm, group, counted=lambda name: True):
     """torch.nn.utils.clip_grad_norm_ of the whole model: each stage's squared norm, summed over the pipeline's
     group. The tied weight counts once, on the first stage; the last stage holds the same gradient. counted(name):
     what else this rank leaves to another (train_4d.py: a replicated tensor to TP rank 0)."""
-    counted = [param.grad for name, param in stage.model.named_parameters()
-               if (stage.is_first or name != "wte.weight") and counted(name)]
-    squared = torch.nn.utils.get_total_norm(counted) ** 2
+    grads = [param.grad for name, param in stage.model.named_parameters()
+             if (stage.is_first or name != "wte.weight") and counted(name)]
+    squared = torch.nn.utils.get_total_norm(grads) ** 2
     dist.all_reduce(squared, group=group)
     norm = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(stage.model.parameters(), max_norm, norm)
