@@ -7025,6 +7025,7 @@ def _refused_by_4d(argv):
     (5, dict(pp=5, global_batch=10), "--pp 5 stages, but the model has 4 layers"),
     (8, dict(cp=2, tp=4, sequence_parallel=True, block_size=36), "--cp 2 needs --block_size a multiple of 8"),
     (2, dict(impl="torch"), "train_4d.py has no --impl torch"),
+    (2, dict(dp_impl="ddp", no_reshard=True), "--no_reshard is FSDP's (DDP gathers nothing)"),
 ])
 def test_4d_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path, ranks, overrides, message):
     errors = run_distributed(ranks, _refused_by_4d, flags(corpus, tmp_path, **overrides))

@@ -92,6 +92,8 @@ def main(argv=None):
     if args.impl == "torch":
         raise training.UsageError("train_4d.py has no --impl torch (torch_reference.py composes no 4-D layout): drop "
                                   "it, or compare an axis with train_2d.py, train_pp.py or train_cp.py --impl torch")
+    if args.no_reshard and args.dp_impl == "ddp":
+        raise training.UsageError("--no_reshard is FSDP's (DDP gathers nothing): drop it, or use --dp_impl fsdp")
 
     # ---- process groups: a dp x pp x cp x tp grid, tensor parallel innermost; its checks before any collective
     rank, local_rank, world_size = training.launched_rank(args)
