@@ -44,6 +44,7 @@ class Layout(NamedTuple):
     cp: int = 1  # cp: context-parallel ranks, each holding s / cp tokens of every sequence (the ranks are cp x dp)
     cp_impl: str = "allgather"  # cp: how attention reaches the other ranks' keys and values (allgather, ring)
     cpu_offload: bool = False  # fsdp and 2d: shards, their gradients and AdamW in host memory, stepped there
+    dp_impl: str = "fsdp"  # 4d: the data axis' strategy, fsdp (sharded over dp x cp) or ddp (replicated)
 
 
 def layout_of(args, world_size, dp_size, micro_batch, device):
@@ -55,7 +56,8 @@ def layout_of(args, world_size, dp_size, micro_batch, device):
                   args.activation_checkpointing, not getattr(args, "no_reshard", False), device, pp,
                   getattr(args, "schedule", "1f1b"), args.global_batch // (micro_batch * dp_size),
                   getattr(args, "stage", 1), getattr(args, "replicate", 1), getattr(args, "bucket_mb", 25), cp,
-                  getattr(args, "cp_impl", "allgather"), getattr(args, "cpu_offload", False))
+                  getattr(args, "cp_impl", "allgather"), getattr(args, "cpu_offload", False),
+                  getattr(args, "dp_impl", "fsdp"))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -393,22 +395,32 @@ def pipeline_plan(config, layout, layers, schedule):
     return max(plans, key=lambda rows: sum(size for _, size in rows))
 
 
-def four_d_units(config, layout, stage, layers, sliced):
-    """([elements of each FlatParameter's shard] of each FSDP unit, whether it stays gathered from forward to backward)
-    of train_4d.py's stage `stage`, in its order: the root (wpe on the first stage; ln_f, the LM head, a tied wte on
-    the last), wte's own unit on the first stage, each block; TP-sliced, sharded over the dp x cp ranks, padded."""
-    first, last, ranks = stage == 0, stage == layout.pp - 1, layout.dp * layout.cp
-    sizes = local_sizes(config, layout.tp, sliced)
-    shapes = dict(model_on_meta(config).named_parameters())
-    ends = [name for name in sizes if (first and name.startswith("wpe")) or (last and config.tie_embeddings and
+def four_d_names(config, layout, stage, layers):
+    """[the parameter names of each of train_4d.py's FSDP units] on stage `stage`, in their order: the root (wpe on
+    the first stage; ln_f, the LM head, a tied wte on the last), wte's own unit on the first stage, each block."""
+    first, last, names = stage == 0, stage == layout.pp - 1, list(dict(model_on_meta(config).named_parameters()))
+    ends = [name for name in names if (first and name.startswith("wpe")) or (last and config.tie_embeddings and
             name.startswith("wte")) or (last and name.startswith(("ln_f", "lm_head")))]
-    units = [ends] + [[name for name in sizes if first and name.startswith("wte") and name not in ends]]
-    units += [[name for name in sizes if name.startswith(f"blocks.{layer}.")]
-              for layer in layers(config.n_layer, layout.pp, stage)]
-    flats = [[sum(sizes[name] for name in unit if (shapes[name].dim() >= 2) == matrix) for matrix in (True, False)]
+    units = [ends] + [[name for name in names if first and name.startswith("wte") and name not in ends]]
+    return units + [[name for name in names if name.startswith(f"blocks.{layer}.")]
+                    for layer in layers(config.n_layer, layout.pp, stage)]
+
+
+def four_d_units(config, layout, stage, layers, sliced):
+    """([(elements of each FlatParameter's shard, whether it is gathered in the compute dtype)] of each FSDP unit,
+    whether the unit stays gathered from forward to backward) of train_4d.py's stage `stage`, in its order: the root
+    (wpe on the first stage; ln_f, the LM head, a tied wte on the last), wte's own unit on the first stage, each
+    block; TP-sliced, sharded over the dp x cp ranks, padded (--dp_impl ddp: whole). As train_fsdp.py gathers them:
+    the matrices in the compute dtype, but for an embedding table (wte, wpe); the 1-D flats in float32."""
+    last, ranks = stage == layout.pp - 1, layout.dp * layout.cp if layout.dp_impl == "fsdp" else 1
+    sizes, shapes = local_sizes(config, layout.tp, sliced), dict(model_on_meta(config).named_parameters())
+    units = four_d_names(config, layout, stage, layers)
+    flats = [[([name for name in unit if (shapes[name].dim() >= 2) == matrix], matrix) for matrix in (True, False)]
              for unit in units]
     kept = [index == len(units) - 1 or (index == 0 and last and config.tie_embeddings) for index in range(len(units))]
-    return [[-(-n // ranks) for n in unit if n] for unit in flats], kept
+    return [[(-(-sum(sizes[name] for name in names) // ranks), matrix and not any(name.startswith(("wte", "wpe"))
+                                                                                  for name in names))
+             for names, matrix in unit if names] for unit in flats], kept
 
 
 def four_d_terms(config, layout, stage, layers, schedule, sliced, backend):
@@ -418,20 +430,22 @@ def four_d_terms(config, layout, stage, layers, schedule, sliced, backend):
     forward and gradient back a micro-batch (sends; the receives carry nothing of their own); FSDP's gathers and
     reduce-scatters over the dp x cp ranks, a micro-batch each (a kept unit, every unit under --no_reshard, once
     between two backwards, as the schedule orders them); the tied weight's gradient shard summed between the end
-    stages; the gradient norm, the step's agreement and the logged loss over every rank."""
+    stages; the gradient norm, the step's agreement and the logged loss over every rank. Sequence parallel: TP's
+    reduce-scatters and all-gathers, a stage's 1/tp of the tokens point to point, and the replicated parameters'
+    gradient shards summed over TP. FSDP's only (--dp_impl ddp: not counted)."""
     first, last, m = stage == 0, stage == layout.pp - 1, layout.micro_batches
     held = len(layers(config.n_layer, layout.pp, stage))
     tokens, e = layout.micro_batch * config.block_size // layout.cp, 2 if layout.dtype == "bfloat16" else 4
     ranks, world = layout.dp * layout.cp, layout.world_size
-    terms = tensor_parallel_terms(replace(config, n_layer=held), tokens, m, e, layout.tp, backend, False, True,
-                                  embedding=first, head=last)
+    terms = tensor_parallel_terms(replace(config, n_layer=held), tokens, m, e, layout.tp, backend,
+                                  layout.sequence_parallel, True, embedding=first, head=last)
     if layout.cp > 1:
         heads = replace(config, n_layer=held, n_kv_head=config.n_kv_head // layout.tp)
         terms += context_parallel_terms(heads, tokens, m, e, layout.cp, layout.cp_impl, backend)
     if layout.pp > 1:
         sends = m * ((not first) + (not last))
         terms += [Term("activations forward, their gradients back (point to point)", "send", "pp", sends,
-                       sends * e * tokens * config.n_embd),
+                       sends * e * tokens // (layout.tp if layout.sequence_parallel else 1) * config.n_embd),
                   Term("what the neighbouring stages send", "recv", "pp", sends, 0)]
     shards, kept = four_d_units(config, layout, stage, layers, sliced)
     order = schedule(layout.schedule, stage, layout.pp, m)
@@ -442,13 +456,19 @@ def four_d_terms(config, layout, stage, layers, schedule, sliced, backend):
         gathered = kind == "forward"
     times = [held_between if keep or not layout.reshard else 2 * m for keep in kept]  # --no_reshard: all kept
     gathers = sum(len(unit) * n for unit, n in zip(shards, times))
-    gathered_bytes = sum(shard * n * sent("all_gather", e, ranks, backend) for unit, n in zip(shards, times)
-                         for shard in unit)
-    scattered = sum(m * sent("reduce_scatter", 4 * shard * ranks, ranks, backend) for unit in shards for shard in unit)
+    gathered_bytes = sum(shard * n * sent("all_gather", e if cast else 4, ranks, backend)
+                         for unit, n in zip(shards, times) for shard, cast in unit)
+    scattered = sum(m * sent("reduce_scatter", 4 * shard * ranks, ranks, backend) for unit in shards
+                    for shard, _ in unit)
     terms += [Term("each unit's weights, before its forward and again before its backward", "all_gather", "data",
                    gathers, gathered_bytes),
               Term("each unit's float32 gradient, as its backward ends", "reduce_scatter", "data",
                    m * sum(map(len, shards)), scattered)]
+    if layout.sequence_parallel:  # this rank's spans of the stage's replicated parameters, as train_2d's plan counts
+        names = [name for unit in four_d_names(config, layout, stage, layers) for name in unit if not sliced(name)]
+        terms.append(Term("replicated parameters' gradients (norms, biases, wpe)", "all_reduce", "tp", 1, sent(
+            "all_reduce", 4 * sum(local_sizes(config, layout.tp, sliced)[name] for name in names) / ranks, layout.tp,
+            backend)))
     if config.tie_embeddings and layout.pp > 1 and (first or last):
         wte = -(-local_sizes(config, layout.tp, sliced)["wte.weight"] // ranks)
         terms.append(Term("the tied weight's gradient shard, summed between the end stages", "all_reduce", "ends", 1,
@@ -463,21 +483,30 @@ def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
     """[(item, bytes)] one rank of train_4d.py's pipeline stage `stage` holds at its peak, each axis's own share: its
     blocks (and ends) as stage_plan counts them, sliced over tp (sliced: train_tp.is_sliced) and fully sharded over the
     dp x cp ranks of its data group, in train_4d's FSDP units (the root: wpe, ln_f, the LM head; wte on the first
-    stage; each block), each FlatParameter padded; the activations of s / cp tokens a sequence (with context-parallel
-    attention's own), one micro-batch's per micro-batch in flight (stage_plan's); FSDP's gathered weights (the last
-    block, the root where it holds a tied weight; two others moving) and its float32 reduce-scatter buffer; the
-    point-to-point activation and gradient received; the logits' vocabulary slice."""
-    first, last, ranks = stage == 0, stage == layout.pp - 1, layout.dp * layout.cp
+    stage; each block), each FlatParameter padded (--dp_impl ddp: whole, and autocast's bfloat16 copies of the
+    matrices, one a micro-batch in flight, as stage_plan counts them); the activations of s / cp tokens a sequence
+    (with context-parallel attention's own; 1/tp of the residual stream under sequence parallelism), one micro-batch's
+    per micro-batch in flight (stage_plan's); FSDP's gathered weights and its float32 reduce-scatter buffer; the
+    point-to-point activation and gradient received; the logits' vocabulary slice. Gathered at once: the root, whose
+    module is the whole stage (from the stage's forward to its end; a tied one all step; wpe through backward), a unit
+    and the neighbour it prefetches, and the last block, kept from its forward to its backward, where the schedule
+    runs a second forward before that backward (GPipe; 1F1B's warm-up)."""
+    first, last, fsdp = stage == 0, stage == layout.pp - 1, layout.dp_impl == "fsdp"
+    ranks = layout.dp * layout.cp if fsdp else 1
     held = list(layers(config.n_layer, layout.pp, stage))
-    shards, kept = four_d_units(config, layout, stage, layers, sliced)
-    params, tensors = sum(map(sum, shards)), sum(map(len, shards))
+    shards, _ = four_d_units(config, layout, stage, layers, sliced)
+    names = [name for unit in four_d_names(config, layout, stage, layers) for name in unit]
+    params = sum(n for unit in shards for n, _ in unit)
+    tensors = sum(map(len, shards)) if fsdp else len(names)  # AdamW's step: one a FlatParameter, or a parameter
     e = 2 if layout.dtype == "bfloat16" else 4
-    gathered = [sum(unit) * ranks for unit in shards]
-    others = [n for n, keep in zip(gathered, kept) if not keep]  # gathered for each use, one with the next
-    moving = max([a + b for a, b in zip(others, others[1:])] or others or [0])
-    local = replace(config, n_layer=len(held), block_size=config.block_size // layout.cp)
+    gathered = [sum(n * (e if cast else 4) for n, cast in unit) * ranks for unit in shards]  # bytes, as train_fsdp
+    root, rest = gathered[0], [size for size in gathered[1:] if size]  # the blocks (and wte's unit) in run order
     order = schedule(layout.schedule, stage, layout.pp, layout.micro_batches)
     in_flight = max(itertools.accumulate(1 if kind == "forward" else -1 for kind, _ in order))
+    forwards_in_a_row = any(a[0] == b[0] == "forward" for a, b in zip(order, order[1:]))
+    pairs = [a + b + rest[-1] * (forwards_in_a_row and index + 2 < len(rest))
+             for index, (a, b) in enumerate(zip(rest, rest[1:]))]
+    local = replace(config, n_layer=len(held), block_size=config.block_size // layout.cp)
     activations, recompute = activation_plan(local, layout._replace(strategy="2d"))  # FSDP's weights, TP's slices
     attention = context_parallel_attention(config, layout)[1] if layout.cp > 1 else 0
     if layout.activation_checkpointing:
@@ -489,21 +518,32 @@ def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
     per_micro_batch += sum(size for item, size in activations.items() if ends.get(item))
     tokens = layout.micro_batch * config.block_size // layout.cp
     vocab = config.padded_vocab_size // layout.tp
-    rows = [(f"stage {stage} of {layout.pp} ({len(held)} blocks), shards of 1/{ranks}: parameters (float32)",
-             4 * params),
+    rows = [(f"stage {stage} of {layout.pp} ({len(held)} blocks), " + (f"shards of 1/{ranks}: " if fsdp else "DDP: ")
+             + "parameters (float32)", 4 * params),
             ("gradients (float32)", 4 * params),
             ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * tensors),
             (f"activations, {in_flight} micro-batch{'es' * (in_flight > 1)} in flight ({layout.schedule}) of "
-             f"{tokens // layout.micro_batch} tokens", in_flight * per_micro_batch),
-            (f"gathered weights: {sum(kept)} unit{'s' * (sum(kept) > 1)} kept for backward, 2 others ({layout.dtype})"
-             if layout.reshard else f"gathered weights: every unit ({layout.dtype})",
-             e * (sum(n for n, keep in zip(gathered, kept) if keep) + moving if layout.reshard else sum(gathered))),
-            ("a unit's gradients, copied into its float32 reduce-scatter buffer", (e + 4) * max(gathered))]
+             f"{tokens // layout.micro_batch} tokens", in_flight * per_micro_batch)]
+    sizes = local_sizes(config, layout.tp, sliced)
+    head = sizes["wte.weight"] if last and config.tie_embeddings else 0  # the tied LM head: wte, gathered float32
+    cast = head if fsdp else sum(sizes[name] for name in names if is_matmul_weight(name, config)
+                                 and not (name.startswith("wte") and not last))
+    if e == 2 and cast:
+        rows.append(("bfloat16 copies of the tied LM head, one a micro-batch (autocast)" if fsdp else
+                     "bfloat16 weight copies, one a micro-batch in flight (autocast)", in_flight * 2 * cast))
+    if fsdp:
+        kept_too = forwards_in_a_row and len(rest) > 2  # the last block beside a pair of others
+        gathered_weights = f"gathered weights ({'bfloat16 matrices' if e == 2 else 'float32'}): "
+        rows += [(gathered_weights + ("root, a pair" + ", last block" * kept_too
+                                      if layout.reshard else "every unit"),
+                  root + max(pairs or rest or [0]) if layout.reshard else sum(gathered)),
+                 ("a unit's gradients, copied into its float32 reduce-scatter buffer",
+                  max(size + 4 * sum(n for n, _ in unit) * ranks for size, unit in zip(gathered, shards)))]
     if recompute:
         rows.append(("one block recomputed in backward (--activation_checkpointing)", recompute))
     if layout.pp > 1:  # the residual stream from the previous stage, the gradient from the next, in the compute dtype
-        rows.append(("received activation and gradient (point to point)",
-                     ((not first) + (not last)) * e * tokens * config.n_embd))
+        rows.append(("received activation and gradient (point to point)", ((not first) + (not last)) * e * tokens
+                     // (layout.tp if layout.sequence_parallel else 1) * config.n_embd))
     if last:
         rows.append(("logits' vocabulary slice and their gradient", tokens * vocab * (e + 4)))
     return rows
@@ -744,7 +784,7 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
         + f" | ZeRO-{layout.stage}" * (layout.strategy == "zero")
         + f" | HSDP: {layout.replicate} copies of {layout.dp // layout.replicate} shards" * (layout.replicate > 1)
         + " | activation checkpointing" * layout.activation_checkpointing
-        + " | sequence parallel" * layout.sequence_parallel)
+        + " | sequence parallel" * layout.sequence_parallel + " | DDP" * (layout.dp_impl == "ddp"))
     for item, size in rows + [("total, one rank", total)]:
         say(f"  {item:66} {format_bytes(size):>11}")
     say(plan_verdict(total, args.gpu_memory, layout, rows))

@@ -2593,7 +2593,8 @@ def _gradient_errors(sequence_parallel, loss_parallel, dropout):
     loss.backward()
     parts = checkpoint.parameter_parts(model)
     if sequence_parallel:
-        train_tp.allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD, "cpu")
+        train_tp.allreduce_replicated_grads([(name, p.grad) for name, p in model.named_parameters()],
+                                            dist.group.WORLD, "cpu")
     errors = {"loss": abs(loss.item() - expected_loss.item()) / loss.item()}
     for name, param, part in ((part.name, part.tensor, part) for part in parts):
         expected = full[name].grad[tuple(slice(*box) for box in part.box)]
@@ -3015,7 +3016,8 @@ def test_bfloat16_every_layout_close_to_single(corpus, shared_tmp, tmp_path_fact
 
 
 DTYPE_LAYOUTS = dict(LAYOUTS, zero=(train_zero.main, 2, {}), tp_no_sequence_parallel=(train_tp.main, 2, {}),
-                     pp=(train_pp.main, 2, {}), cp=(train_cp.main, 2, {}), cp_ring=(train_cp.main, 2, dict(cp_impl="ring")))
+                     pp=(train_pp.main, 2, {}), cp=(train_cp.main, 2, {}), cp_ring=(train_cp.main, 2, dict(cp_impl="ring")),
+                     four_d=(train_4d.main, 4, dict(pp=2, tp=2)))
 
 
 def _norm_and_block_inputs_of_main(main, argv):
@@ -4620,7 +4622,7 @@ def _printed(main, argv):
     (train_fsdp.main, 2, {}, "| FSDP |"), (train_fsdp.main, 4, dict(replicate=2), "| HSDP 2 x 2 |"),
     (train_tp.main, 2, {}, "| tensor parallel 2 "), (train_2d.main, 4, {}, "grid: 2 data-parallel x 2 tensor-parallel"),
     (train_pp.main, 2, {}, "pipeline: 2 stages"), (train_cp.main, 2, {}, "| 2 context-parallel (allgather) |"),
-    (train_4d.main, 2, {}, "grid: 2 data x 1 pipeline"),
+    (train_4d.main, 2, {}, "grid: 2 data (fsdp) x 1 pipeline"),
 ])
 def test_every_scripts_first_line_names_its_strategy(corpus, shared_tmp, main, ranks, extra, strategy):
     """What a user sees first says which strategy runs: no two first lines alike but for the numbers."""
@@ -5999,7 +6001,8 @@ def _llama_gradient_errors(sequence_parallel, loss_parallel):
     model(idx, targets).backward()
     parts = checkpoint.parameter_parts(model)
     if sequence_parallel:
-        train_tp.allreduce_replicated_grads(list(model.named_parameters()), dist.group.WORLD, "cpu")
+        train_tp.allreduce_replicated_grads([(name, p.grad) for name, p in model.named_parameters()],
+                                            dist.group.WORLD, "cpu")
     errors = {}
     for part in parts:
         expected = full[part.name].grad[tuple(slice(*box) for box in part.box)]
@@ -6988,9 +6991,9 @@ def run_4d(corpus, tmp_path_factory, ranks, **overrides):
 
 
 FOUR_D_LAYOUTS = [  # (dp, pp, cp, tp), model, schedule, other flags: each axis at 1 once, both of each
-    ((2, 2, 1, 2), "tiny", "gpipe", {}),
+    ((2, 2, 1, 2), "tiny", "gpipe", dict(dp_impl="ddp", sequence_parallel=True)),
     ((1, 2, 2, 2), "llama-tiny", "1f1b", dict(cp_impl="ring")),
-    ((2, 1, 2, 2), "tiny", "1f1b", {}),
+    ((2, 1, 2, 2), "tiny", "1f1b", dict(sequence_parallel=True)),
     ((2, 2, 2, 1), "llama-tiny", "gpipe", {}),
     ((2, 2, 2, 2), "tiny", "1f1b", dict(no_reshard=True)),
     ((2, 2, 1, 2), "llama-tiny", "1f1b", {}),
@@ -7034,7 +7037,9 @@ def _refused_by_4d(argv):
     (2, dict(cp=2, dropout=0.1), "--cp 2 needs --block_size a multiple of 4, --dropout 0 and --attn sdpa"),
     (3, dict(tp=3), "n_head (4) is not divisible by --tp 3"),
     (5, dict(pp=5, global_batch=10), "--pp 5 stages, but the model has 4 layers"),
-    (2, dict(tp=2, sequence_parallel=True), "--sequence_parallel is not yet in train_4d.py"),
+    (8, dict(cp=2, tp=4, sequence_parallel=True, block_size=36), "--cp 2 needs --block_size a multiple of 8"),
+    (2, dict(impl="torch"), "train_4d.py has no --impl torch"),
+    (2, dict(dp_impl="ddp", no_reshard=True), "--no_reshard is FSDP's (DDP gathers nothing)"),
 ])
 def test_4d_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path, ranks, overrides, message):
     errors = run_distributed(ranks, _refused_by_4d, flags(corpus, tmp_path, **overrides))
@@ -7042,14 +7047,18 @@ def test_4d_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tm
 
 
 def test_4d_resumes_from_and_into_one_device(corpus, shared_tmp, tmp_path_factory):
-    """One run of 6 steps, checkpointed every 2: one device crashes at step 3; 2 stages x 2 context-parallel x 2
+    """One run of 6 steps, checkpointed every step: one device crashes at step 2; 2 stages x 2 context-parallel x 2
     tensor-parallel ranks resume from step 2 (each reading its FSDP shard of its TP slices, both ends of a pipeline the
-    tied weight) and crash at step 5; one device resumes from step 4 (each rank's pieces, the tied weight the first
-    stage's) and finishes: train_single's 6 steps."""
-    argv = lambda **layout: flags(corpus, shared_tmp, ckpt_interval=2, **layout)  # noqa: E731
+    tied weight) and crash at step 4; 2 replicas (--dp_impl ddp) x 2 stages x 2 TP ranks resume from step 4 (whole TP
+    slices) and crash at step 5, the first replica having saved; one device resumes from step 5 (each rank's pieces,
+    the tied weight the first stage's) and finishes: train_single's 6 steps."""
+    argv = lambda **layout: flags(corpus, shared_tmp, ckpt_interval=1, **layout)  # noqa: E731
     with one_thread():
-        assert _train_until(train_single.main, 3, argv()) == "crashed"
-    assert run_distributed(8, _train_until, train_4d.main, 5, argv(pp=2, cp=2, tp=2, resume=True)) == ["crashed"] * 8
+        assert _train_until(train_single.main, 2, argv()) == "crashed"
+    assert run_distributed(8, _train_until, train_4d.main, 4, argv(pp=2, cp=2, tp=2, resume=True)) == ["crashed"] * 8
+    ddp = argv(dp=2, pp=2, tp=2, dp_impl="ddp", resume=True)
+    assert run_distributed(8, _train_until, train_4d.main, 5, ddp) == ["crashed"] * 8
+    assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000005")
     with one_thread():
         train_single.main(argv(resume=True))
     assert checkpoint.latest(str(shared_tmp)).endswith("ckpt-0000006")
@@ -7057,22 +7066,47 @@ def test_4d_resumes_from_and_into_one_device(corpus, shared_tmp, tmp_path_factor
 
 
 def _states_held_by_4d(argv):
-    """train_4d.main(argv) on this rank: the bytes of parameters, gradients and AdamW state it held."""
-    with bench.memory_held({}) as held, one_thread():
-        train_4d.main(argv)
-    return held["parameters"] + held["gradients"] + held["optimizer"]
+    """train_4d.main(argv) on this rank: (the bytes of parameters, gradients and AdamW state it held, the most bytes
+    FSDP's gathered FlatParameters held at once)."""
+    start_gather, free, gathered = train_fsdp.FlatParameter.start_gather, train_fsdp.FlatParameter.free, [0, 0]
+
+    def counted(method, sign):
+        def wrapper(flat):
+            was = flat.is_gathered()
+            method(flat)
+            if was != flat.is_gathered():
+                gathered[0] += sign * flat.full.nbytes
+                gathered[1] = max(gathered)
+        return wrapper
+
+    train_fsdp.FlatParameter.start_gather, train_fsdp.FlatParameter.free = counted(start_gather, 1), counted(free, -1)
+    try:
+        with bench.memory_held({}) as held, one_thread():
+            train_4d.main(argv)
+    finally:
+        train_fsdp.FlatParameter.start_gather, train_fsdp.FlatParameter.free = start_gather, free
+    return held["parameters"] + held["gradients"] + held["optimizer"], gathered[1]
 
 
 def test_4d_plan_counts_each_stages_shards_to_the_byte(corpus, shared_tmp, capsys):
     """--plan knows train_4d.py: on 2 stages x 2 context-parallel x 2 tensor-parallel ranks, each rank's parameters,
     gradients and AdamW state are its stage's TP slices in train_4d's FSDP units, each flat shard padded over the data
-    group (the 2 context-parallel ranks), as the planner counts them, to the byte; --plan prints the fullest stage."""
+    group (the 2 context-parallel ranks), as the planner counts them, to the byte, and so are the gathered weights
+    at their peak (the root, the pair a block's forward prefetches, the last block a forward left kept); under
+    --dp_impl ddp (2 stages x 2 replicas) its whole stage; --plan prints the fullest stage."""
     held = run_distributed(8, _states_held_by_4d, flags(corpus, shared_tmp, pp=2, cp=2, tp=2, max_steps=1))
     config = gpt.make_config("tiny", 256, 32)
     layout = plan.Layout("4d", 8, 1, 2, 2, pp=2, micro_batches=8, cp=2)
-    for rank, states in enumerate(held):
+    for rank, (states, gathered) in enumerate(held):
         rows = plan.four_d_stage_plan(config, layout, rank // 4, train_pp.stage_layers, train_pp.schedule,
                                       train_tp.is_sliced)
+        assert states == sum(size for _, size in rows[:3]), (rank, rows[:3])
+        assert [gathered] == [size for item, size in rows if item.startswith("gathered weights")], (rank, rows)
+    held = run_distributed(4, _states_held_by_4d, flags(corpus, os.path.join(shared_tmp, "ddp"), pp=2, dp=2,
+                                                          dp_impl="ddp", max_steps=1))
+    layout = plan.Layout("4d", 4, 2, 1, 2, pp=2, micro_batches=4, dp_impl="ddp")  # --dp_impl ddp: whole stages
+    for rank, (states, _) in enumerate(held):
+        rows = plan.four_d_stage_plan(config, layout, rank % 2, train_pp.stage_layers, train_pp.schedule, None)
         assert states == sum(size for _, size in rows[:3]), (rank, rows[:3])
     rows = train_4d.main(["--plan", "--world_size", "16", "--dp", "2", "--pp", "2", "--cp", "2", "--tp", "2",
                           "--block_size", "32"])

@@ -39,15 +39,6 @@ def new_groups(tp, dp):
     return tuple(mine)
 
 
-def allreduce_replicated_grads(fsdp, tp_group, device):
-    """Under sequence parallelism a replicated parameter (norms, wpe, row-parallel biases) saw only this rank's
-    sequence shard: sum their gradients, this rank's spans of the FSDP shards' gradients, in one flat all-reduce."""
-    grads = [grad for name, grad in fsdp.gradients() if not train_tp.is_sliced(name)]
-    flat = torch.cat(grads).to(device)  # NCCL reduces device memory only
-    dist.all_reduce(flat, group=tp_group)
-    torch._foreach_copy_(grads, flat.to(grads[0].device).split([len(grad) for grad in grads]))
-
-
 def main(argv=None):
     import checkpoint  # main() is where a script meets the shared files; everything above needs torch and gpt.py
     import training
@@ -132,7 +123,7 @@ def main(argv=None):
             loss.backward()  # each unit's gradient is reduce-scattered (averaged over DP) as its backward ends
             loss_sum += loss.detach()
         if args.sequence_parallel and parts is not None:
-            allreduce_replicated_grads(model, tp_group, device)
+            train_tp.allreduce_replicated_grads(model.gradients(), tp_group, device)
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
         diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing

@@ -173,10 +173,12 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError("the module is on meta: pass initial_value to say what its parameters start as")
         initial_value = initial_value or (lambda name, _, __, flat: params[name].detach().reshape(-1)[slice(*flat)])
         holders = unit_modules(module, units)
-        # What autocast casts (matrices a matmul reads) in compute_dtype; embeddings (unit 0), norms, biases float32
-        self.units = [[FlatParameter(entries, self, compute_dtype if index and decay else torch.float32)
+        # What autocast casts (matrices a matmul reads) in compute_dtype; embedding tables (a token looks its row up;
+        # wte also where the LM head shares it), norms, biases float32, wherever a unit list puts them (train_4d.py)
+        self.units = [[FlatParameter(entries, self, compute_dtype if decay and not any(
+                           name.endswith(("wte.weight", "wpe.weight")) for name, _, _ in entries) else torch.float32)
                        for (_, decay), entries in kinds.items()]
-                      for index, kinds in enumerate(flat_parameter_groups(module, units))]
+                      for kinds in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
         sizes = [flat.shard_size for flat in self.flats]  # --cpu_offload: one host arena of shards, one of gradients
         shards = host_memory(sizes) if cpu_offload else [torch.empty(n, device=device) for n in sizes]

@@ -20,6 +20,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 import gpt
 import train_ddp
@@ -109,13 +110,15 @@ class PipelineParallel(nn.Module):
     """The pipeline of one rank, seen from its Stage. forward() runs one batch through every stage without autograd
     (evaluation, sampling); step() runs the forward and backward of every micro-batch of an optimizer step in a
     schedule's order. Every rank of a pipeline is given the same token ids, so it knows the shape of what it
-    receives, [*ids.shape, n_embd], without asking; and every rank is given the same `dtype` (the compute dtype),
+    receives, [batch, tokens / sequence_shards, n_embd], without asking; and every rank is given the same `dtype` (the compute dtype),
     in which it sends and receives activations and gradients alike: sender and receiver agree by construction. The
-    residual stream stays float32 inside a stage (the blocks add autocast's bf16 outputs to it)."""
+    residual stream stays float32 inside a stage (the blocks add autocast's bf16 outputs to it). sequence_shards:
+    train_4d.py's sequence parallelism, under which a stage sends its 1/sequence_shards of the tokens."""
 
-    def __init__(self, stage, group, config, dtype=torch.float32):
+    def __init__(self, stage, group, config, dtype=torch.float32, sequence_shards=1):
         super().__init__()
         self.stage, self.group, self.config, self.dtype = stage, group, config, dtype
+        self.sequence_shards = sequence_shards
         ranks = dist.get_process_group_ranks(group)  # ascending: stage by stage
         self.index = ranks.index(dist.get_rank())
         self.num_stages = len(ranks)
@@ -124,7 +127,8 @@ class PipelineParallel(nn.Module):
         self.last_rank = ranks[-1]
 
     def buffer(self, ids):
-        return torch.empty(*ids.shape, self.config.n_embd, dtype=self.dtype, device=ids.device)
+        tokens = ids.shape[1] // self.sequence_shards
+        return torch.empty(ids.shape[0], tokens, self.config.n_embd, dtype=self.dtype, device=ids.device)
 
     def run_stage(self, x, targets=None):
         """The stage on the token ids, or on a received activation (in float32 again); what it sends is in `dtype`."""
@@ -134,7 +138,11 @@ class PipelineParallel(nn.Module):
     @torch.no_grad()
     def forward(self, ids, targets=None):
         """The loss of one batch (given targets), or the logits at its last position (all gpt.generate reads, as in
-        nanoGPT's inference forward), on every rank of the pipeline: the last stage broadcasts them."""
+        nanoGPT's inference forward), on every rank of the pipeline: the last stage broadcasts them. A prompt is
+        padded to a multiple of the sequence shards (causal: no real position sees the padding)."""
+        length = ids.shape[1]
+        if targets is None and length % self.sequence_shards:
+            ids = F.pad(ids, (0, -length % self.sequence_shards))
         x = ids
         if self.previous is not None:
             x = self.buffer(ids)
@@ -145,7 +153,7 @@ class PipelineParallel(nn.Module):
             out = torch.empty(() if targets is not None else (ids.shape[0], 1, self.config.padded_vocab_size),
                               device=ids.device)
         elif targets is None:
-            out = out[:, -1:].float().contiguous()
+            out = out[:, length - 1:length].float().contiguous()
         dist.broadcast(out, self.last_rank, group=self.group)
         return out.float()
 
@@ -193,12 +201,13 @@ def sum_tied_gradients(stage, group):
         dist.all_reduce(stage.model.wte.weight.grad, group=group)
 
 
-def clip_grad_norm_(stage, max_norm, group):
+def clip_grad_norm_(stage, max_norm, group, counted=lambda name: True):
     """torch.nn.utils.clip_grad_norm_ of the whole model: each stage's squared norm, summed over the pipeline's
-    group. The tied weight counts once, on the first stage; the last stage holds the same gradient."""
-    counted = [param.grad for name, param in stage.model.named_parameters()
-               if stage.is_first or name != "wte.weight"]
-    squared = torch.nn.utils.get_total_norm(counted) ** 2
+    group. The tied weight counts once, on the first stage; the last stage holds the same gradient. counted(name):
+    what else this rank leaves to another (train_4d.py: a replicated tensor to TP rank 0)."""
+    grads = [param.grad for name, param in stage.model.named_parameters()
+             if (stage.is_first or name != "wte.weight") and counted(name)]
+    squared = torch.nn.utils.get_total_norm(grads) ** 2
     dist.all_reduce(squared, group=group)
     norm = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(stage.model.parameters(), max_norm, norm)
