@@ -4903,6 +4903,13 @@ def test_what_a_reader_must_read_is_small():
         assert named & set(imports) <= {"gpt", "train_ddp", "train_fsdp", "train_tp", "train_pp", "train_cp"}, script
 
 
+def test_every_training_script_is_at_most_400_lines():
+    """The design card's flat scripts: each under ~300 lines, 400 at most, and no line over 120 characters."""
+    for script in sorted((os.path.join(HERE, name) for name in os.listdir(HERE) if re.fullmatch(r"train_\w+\.py", name))):
+        lines = open(script).read().splitlines()
+        assert len(lines) <= 400 and max(map(len, lines)) <= 120, (script, len(lines))
+
+
 CORES = {"train_single.py": [], "train_ddp.py": [], "train_fsdp.py": [], "train_tp.py": [],  # script -> it composes
          "train_2d.py": ["train_tp.py", "train_fsdp.py"], "train_pp.py": ["train_ddp.py"],
          "train_zero.py": ["train_ddp.py"], "train_cp.py": ["train_ddp.py"],

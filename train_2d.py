@@ -93,8 +93,8 @@ def main(argv=None):
         value = training.initial_values(config, args.seed, args.init_from)  # drawn by name, or read from --init_from
         model = train_fsdp.FullyShardedDataParallel(
             model, process_group=dp_group, device=device, compute_dtype=getattr(torch, args.dtype),
-            reshard_after_forward=not args.no_reshard, tp_boxes={name: (p.shape, p.box) for name, p in tp_parts.items()},
-            initial_value=value, cpu_offload=args.cpu_offload)
+            reshard_after_forward=not args.no_reshard, initial_value=value, cpu_offload=args.cpu_offload,
+            tp_boxes={name: (p.shape, p.box) for name, p in tp_parts.items()})
         groups, parts = model.parameter_groups(), [checkpoint.Part(*where) for where in model.parts()]
         first = dist.get_rank(tp_group) == 0  # each element counted once: a replicated parameter on TP rank 0 alone
         clip_grad_norm = partial(model.clip_grad_norm_, counted=lambda name: train_tp.is_sliced(name) or first,

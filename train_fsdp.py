@@ -51,12 +51,14 @@ class FlatParameter:
     """One unit's parameters of one kind end to end, padded to a multiple of N: this rank keeps 1/N, `shard` (float32).
     `full`, the whole in `dtype`, has storage from each all-gather to its use's end (autograd's saved views see it
     again once refilled). Built in three steps: the layout (shard_layout), materialise, take_over."""
-    def __init__(self, entries, wrapper, dtype):
-        self.wrapper, self.dtype, self.full, self.gathering = wrapper, dtype, None, None
+    def __init__(self, entries, wrapper, compute_dtype):
+        self.wrapper, self.full, self.gathering = wrapper, None, None
         self.world, sizes = dist.get_world_size(wrapper.group), [param.numel() for _, param, _ in entries]
         self.shard_size, self.padding, spans = shard_layout(sizes, self.world, dist.get_rank(wrapper.group))
         self.params = [FlatMember(name, p.shape, uses, *where) for (name, p, uses), where in zip(entries, spans)]
         self.decay, self.requires_grad = entries[0][1].dim() >= 2, entries[0][1].requires_grad  # one kind a buffer
+        tables = any(name.endswith(("wte.weight", "wpe.weight")) for name, _, _ in entries)  # rows looked up, float32
+        self.dtype = compute_dtype if self.decay and not tables else torch.float32  # what autocast casts: a matmul's
 
     def materialise(self, shard, initial_value, tp_boxes):
         """Deferred init into `shard`, a piece at a time; checkpoint.Part's fields of each piece this rank holds."""
@@ -173,11 +175,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError("the module is on meta: pass initial_value to say what its parameters start as")
         initial_value = initial_value or (lambda name, _, __, flat: params[name].detach().reshape(-1)[slice(*flat)])
         holders = unit_modules(module, units)
-        # What autocast casts (matrices a matmul reads) in compute_dtype; embedding tables (a token looks its row up;
-        # wte also where the LM head shares it), norms, biases float32, wherever a unit list puts them (train_4d.py)
-        self.units = [[FlatParameter(entries, self, compute_dtype if decay and not any(
-                           name.endswith(("wte.weight", "wpe.weight")) for name, _, _ in entries) else torch.float32)
-                       for (_, decay), entries in kinds.items()]
+        self.units = [[FlatParameter(entries, self, compute_dtype) for entries in kinds.values()]
                       for kinds in flat_parameter_groups(module, units)]
         self.flats = [flat for unit in self.units for flat in unit]
         sizes = [flat.shard_size for flat in self.flats]  # --cpu_offload: one host arena of shards, one of gradients

@@ -110,10 +110,10 @@ class PipelineParallel(nn.Module):
     """The pipeline of one rank, seen from its Stage. forward() runs one batch through every stage without autograd
     (evaluation, sampling); step() runs the forward and backward of every micro-batch of an optimizer step in a
     schedule's order. Every rank of a pipeline is given the same token ids, so it knows the shape of what it
-    receives, [batch, tokens / sequence_shards, n_embd], without asking; and every rank is given the same `dtype` (the compute dtype),
-    in which it sends and receives activations and gradients alike: sender and receiver agree by construction. The
-    residual stream stays float32 inside a stage (the blocks add autocast's bf16 outputs to it). sequence_shards:
-    train_4d.py's sequence parallelism, under which a stage sends its 1/sequence_shards of the tokens."""
+    receives, [batch, tokens / sequence_shards, n_embd], without asking; and every rank is given the same `dtype`
+    (the compute dtype), in which it sends and receives activations and gradients alike: sender and receiver agree
+    by construction. The residual stream stays float32 inside a stage (the blocks add autocast's bf16 outputs to it).
+    sequence_shards: train_4d.py's sequence parallelism, under which a stage sends 1/sequence_shards of the tokens."""
 
     def __init__(self, stage, group, config, dtype=torch.float32, sequence_shards=1):
         super().__init__()

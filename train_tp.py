@@ -278,9 +278,8 @@ def parallelize(model, group, sequence_parallel=False, loss_parallel=True):
 
 
 def allreduce_replicated_grads(gradients, group, device):
-    """Under sequence parallelism a replicated parameter (norms, wpe, row-parallel biases) saw only this rank's
-    sequence shard: sum their gradients, (name, gradient) pairs, in one flat all-reduce (train_2d.py, train_4d.py:
-    each rank's spans of the FSDP shards, laid out alike on TP peers)."""
+    """Under sequence parallelism a replicated parameter (norms, wpe, row-parallel biases) saw only this rank's sequence
+    shard: sum their (name, gradient)s in one flat all-reduce (train_2d/4d.py: FSDP shards, alike on TP peers)."""
     grads = [grad.view(-1) for name, grad in gradients if not is_sliced(name)]
     if grads:
         flat = torch.cat(grads).to(device)  # NCCL reduces device memory only
@@ -373,8 +372,7 @@ def main(argv=None):
             loss.backward()
             loss_sum += loss.detach()  # the whole batch's loss on every tp rank: no reduction needed
         if args.sequence_parallel and parts is not None:
-            allreduce_replicated_grads([(name, p.grad) for name, p in model.named_parameters()], dist.group.WORLD,
-                                       device)
+            allreduce_replicated_grads([(n, p.grad) for n, p in model.named_parameters()], dist.group.WORLD, device)
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
         diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
