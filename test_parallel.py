@@ -6429,12 +6429,17 @@ def test_compile_with_dropout_compiles_once(corpus, shared_tmp, layout):
     first step ends, and never again: no graph break inside a block, no recompile. A random draw read into Python
     inside a block (a seed for a generator fork) would break the graph there, and a guard on its value would
     recompile every forward. train_cp.py refuses dropout, and leaves its attention core (collectives) out of the
-    graph: test_cp_activation_checkpointing_compile_and_bfloat16 compiles it."""
+    graph: test_cp_activation_checkpointing_compile_and_bfloat16 compiles it. Tensor parallelism leaves its f and g
+    out too (traced, sequence parallelism's were wrong on an H200): a block is the pieces between them, graphs made in
+    the first step, fewer than one a block, and never again."""
     main, ranks, extra = EVERY_SCRIPT[layout]
     dp = 2 if main in (train_ddp.main, train_fsdp.main, train_zero.main) else 1
     argv = flags(corpus, shared_tmp, compile=True, dropout=DROPOUT, max_steps=3, global_batch=2 * dp, **extra)
     for rank, made in enumerate(run_distributed(ranks, _graphs_by_step, main, argv, timeout_s=COMPILE_TIMEOUT_S)):
-        assert made[1] == made[-1] == (2, 0), f"rank {rank}: (graphs, graph breaks) at each step's start {made}"
+        if main in (train_tp.main, train_2d.main):
+            assert made[1] == made[-1] and made[1][0] < 9 * 2, f"rank {rank}: (graphs, breaks) at each step {made}"
+        else:
+            assert made[1] == made[-1] == (2, 0), f"rank {rank}: (graphs, graph breaks) at each step's start {made}"
 
 
 # ------------------------------------------------------------------------------------------------------------
