@@ -224,15 +224,19 @@ def host_plan(config, layout, units=None, sliced=None):
     return model_states(params, tensors)
 
 
-def save_staging(config, layout, sliced=None, units=None):
+def save_staging(config, layout, sliced=None, units=None, layers=None):
     """Host bytes one rank stages while it saves a checkpoint, at most: torch.save copies a device storage to the host
     one at a time, and each piece a rank writes (a parameter's part, each moment's over it) is a storage of its own
     (checkpoint.piece), so the largest one on the device; host tensors (--cpu_offload's shards and moments) are
-    written where they lie, without a copy."""
+    written where they lie, without a copy. 4d: a stage's TP slices, each rank its spans of the flats' shards over
+    the dp x cp ranks (--dp_impl ddp: whole; layers: train_pp.stage_layers)."""
     fsdp = layout.strategy in ("fsdp", "2d")
     if fsdp and layout.cpu_offload:
         return 0
     sizes = local_sizes(config, layout.tp, sliced)
+    if layout.strategy == "4d":
+        return 4 * max(n for stage in range(layout.pp) for rank in range(layout.dp * layout.cp)
+                       for n in four_d_spans(config, layout, stage, layers, sliced, rank).values())
     if not fsdp:  # whole parameters (TP: this rank's slices), written by the lowest rank holding each
         return 4 * max(sizes.values())
     ranks = layout.dp // layout.replicate  # a parameter's part is what of it lies in this rank's shard of its unit
@@ -422,6 +426,14 @@ def shard_spans(sizes, ranks, rank):
     return [max(0, min(end, (rank + 1) * shard) - max(end - size, rank * shard)) for size, end in zip(sizes, ends)]
 
 
+def four_d_spans(config, layout, stage, layers, sliced, data_rank):
+    """{name: elements of it that rank `data_rank` of its data group holds} on train_4d.py's stage `stage`: its span
+    of its FlatParameter's shard over the dp x cp ranks (--dp_impl ddp: its whole TP slice)."""
+    sizes, ranks = local_sizes(config, layout.tp, sliced), layout.dp * layout.cp if layout.dp_impl == "fsdp" else 1
+    return {name: n for unit in four_d_flats(config, layout, stage, layers) for names, _ in unit
+            for name, n in zip(names, shard_spans([sizes[name] for name in names], ranks, data_rank % ranks))}
+
+
 def four_d_units(config, layout, stage, layers, sliced):
     """([(elements of each FlatParameter's shard, whether it is gathered in the compute dtype)] of each FSDP unit,
     whether the unit stays gathered from forward to backward) of train_4d.py's stage `stage`, in its order: the root
@@ -462,10 +474,7 @@ def four_d_terms(config, layout, stage, layers, schedule, sliced, backend, bucke
         terms += [Term("activations forward, their gradients back (point to point)", "send", "pp", sends,
                        sends * e * tokens // (layout.tp if layout.sequence_parallel else 1) * config.n_embd),
                   Term("what the neighbouring stages send", "recv", "pp", sends, 0)]
-    sizes, flats = local_sizes(config, layout.tp, sliced), four_d_flats(config, layout, stage, layers)
-    # {name: elements of its gradient this rank holds}: its span of a flat's shard (FSDP), or the whole (DDP)
-    spans = {name: n for unit in flats for names, _ in unit for name, n in zip(names, shard_spans(
-        [sizes[name] for name in names], ranks if fsdp else 1, data_rank if fsdp else 0))}
+    spans = four_d_spans(config, layout, stage, layers, sliced, data_rank)  # {name: elements of its gradient here}
     if fsdp:
         shards, kept = four_d_units(config, layout, stage, layers, sliced)
         held_between = 0  # a kept unit: gathered by a forward or a backward that finds it freed, freed as one ends
@@ -484,7 +493,8 @@ def four_d_terms(config, layout, stage, layers, schedule, sliced, backend, bucke
     else:
         if buckets is None:
             raise ValueError("a DDP layout needs the strategy's own buckets: pass buckets=train_ddp.assign_buckets")
-        named = [(name, torch.empty(n, device="meta")) for name, n in sizes.items() if name in spans]  # in order
+        named = [(name, torch.empty(spans[name], device="meta"))  # in the model's order, as the buckets fill
+                 for name in local_sizes(config) if name in spans]
         terms.append(Term("gradient buckets, during the last micro-batch's backward", "all_reduce", "data",
                           len(buckets(named, layout.bucket_mb)), sent("all_reduce", 4 * sum(spans.values()), ranks,
                                                                       backend)))
@@ -820,7 +830,7 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
                                   (f"total, a node of {node} ranks", node * sum(size for _, size in host)),
                                   (f"of which pinned, a node of {node} ranks", node * pinned)]:
             say(f"  {item:66} {format_bytes(size):>11}")
-    staged = save_staging(config, layout, sliced, units)
+    staged = save_staging(config, layout, sliced, units, layers)
     say(f"saving a checkpoint, host memory staged: {format_bytes(staged)} a rank, {format_bytes(node * staged)} a node "
         f"of {node} (at most its largest piece on the device; host tensors are written where they lie)")
     return rows

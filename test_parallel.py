@@ -7074,8 +7074,14 @@ def test_4d_resumes_from_and_into_one_device(corpus, shared_tmp, tmp_path_factor
 
 def _states_held_by_4d(argv):
     """train_4d.main(argv) on this rank: (the bytes of parameters, gradients and AdamW state it held, the most bytes
-    FSDP's gathered FlatParameters held at once)."""
+    FSDP's gathered FlatParameters held at once, the bytes of the largest piece its last checkpoint wrote)."""
     start_gather, free, gathered = train_fsdp.FlatParameter.start_gather, train_fsdp.FlatParameter.free, [0, 0]
+    real_pieces, largest = checkpoint.pieces, [0]
+
+    def pieces(*args):
+        tensors = real_pieces(*args)
+        largest[0] = max(piece["data"].nbytes for written in tensors.values() for piece in written)
+        return tensors
 
     def counted(method, sign):
         def wrapper(flat):
@@ -7087,30 +7093,37 @@ def _states_held_by_4d(argv):
         return wrapper
 
     train_fsdp.FlatParameter.start_gather, train_fsdp.FlatParameter.free = counted(start_gather, 1), counted(free, -1)
+    checkpoint.pieces = pieces
     try:
         with bench.memory_held({}) as held, one_thread():
             train_4d.main(argv)
     finally:
         train_fsdp.FlatParameter.start_gather, train_fsdp.FlatParameter.free = start_gather, free
-    return held["parameters"] + held["gradients"] + held["optimizer"], gathered[1]
+        checkpoint.pieces = real_pieces
+    return held["parameters"] + held["gradients"] + held["optimizer"], gathered[1], largest[0]
 
 
 def test_4d_plan_counts_each_stages_shards_to_the_byte(corpus, shared_tmp, capsys):
     """--plan knows train_4d.py: on 2 stages x 2 context-parallel x 2 tensor-parallel ranks, each rank's parameters,
     gradients and AdamW state are its stage's TP slices in train_4d's FSDP units, each flat shard padded over the data
     group (the 2 context-parallel ranks), as the planner counts them, to the byte, and so are the gathered weights
-    at their peak (the root, the pair a block's forward prefetches, the last block a forward left kept); under
+    at their peak (the root, the pair a block's forward prefetches, the last block a forward left kept), and the
+    largest piece a rank's checkpoint writes is the plan's host staging (a parameter's span of a shard); under
     --dp_impl ddp (2 stages x 2 replicas) its whole stage, and rank 0 sends plan.four_d_terms' collectives, to the
     byte (its gradient bucket in the last micro-batch, the tied weight's whole slice, the norm over one replica);
     --plan prints the fullest stage."""
     held = run_distributed(8, _states_held_by_4d, flags(corpus, shared_tmp, pp=2, cp=2, tp=2, max_steps=1))
     config = gpt.make_config("tiny", 256, 32)
     layout = plan.Layout("4d", 8, 1, 2, 2, pp=2, micro_batches=8, cp=2)
-    for rank, (states, gathered) in enumerate(held):
+    for rank, (states, gathered, piece) in enumerate(held):
         rows = plan.four_d_stage_plan(config, layout, rank // 4, train_pp.stage_layers, train_pp.schedule,
                                       train_tp.is_sliced)
         assert states == sum(size for _, size in rows[:3]), (rank, rows[:3])
         assert [gathered] == [size for item, size in rows if item.startswith("gathered weights")], (rank, rows)
+        spans = plan.four_d_spans(config, layout, rank // 4, train_pp.stage_layers, train_tp.is_sliced, rank // 2 % 2)
+        assert piece == 4 * max(spans.values()), (rank, spans)  # its largest span of a shard, on stage rank // 4
+    staged = plan.save_staging(config, layout, train_tp.is_sliced, layers=train_pp.stage_layers)
+    assert max(piece for *_, piece in held) == staged  # the largest piece any rank's save copies to the host
     held = run_distributed(4, _profiled, train_4d.main, flags(corpus, os.path.join(shared_tmp, "ddp"), pp=2, dp=2,
                                                                  dp_impl="ddp"))
     layout = plan.Layout("4d", 4, 2, 1, 2, pp=2, micro_batches=4, dp_impl="ddp")  # --dp_impl ddp: whole stages
