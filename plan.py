@@ -399,24 +399,18 @@ def pipeline_plan(config, layout, layers, schedule):
     return max(plans, key=lambda rows: sum(size for _, size in rows))
 
 
-def four_d_names(config, layout, stage, layers):
-    """[the parameter names of each of train_4d.py's FSDP units] on stage `stage`, in their order: the root (wpe on
-    the first stage; ln_f, the LM head, a tied wte on the last), wte's own unit on the first stage, each block."""
-    first, last, names = stage == 0, stage == layout.pp - 1, list(dict(model_on_meta(config).named_parameters()))
-    ends = [name for name in names if (first and name.startswith("wpe")) or (last and config.tie_embeddings and
-            name.startswith("wte")) or (last and name.startswith(("ln_f", "lm_head")))]
-    units = [ends] + [[name for name in names if first and name.startswith("wte") and name not in ends]]
-    return units + [[name for name in names if name.startswith(f"blocks.{layer}.")]
-                    for layer in layers(config.n_layer, layout.pp, stage)]
-
-
 def four_d_flats(config, layout, stage, layers):
-    """[[(the names of each FlatParameter, whether it holds matrices)] of each FSDP unit] of train_4d.py's stage
-    `stage`, in four_d_names' order: each unit's matrices, then its 1-D parameters, as train_fsdp.py flattens them."""
-    shapes = dict(model_on_meta(config).named_parameters())
+    """[[(the names of each FlatParameter, whether it holds matrices)] of each of train_4d.py's FSDP units] on stage
+    `stage`, in their order: the root (wpe on the first stage; ln_f, the LM head, a tied wte on the last), wte's own
+    unit on the first stage, each block; a unit's matrices, then its 1-D parameters, as train_fsdp.py flattens them."""
+    first, last, shapes = stage == 0, stage == layout.pp - 1, dict(model_on_meta(config).named_parameters())
+    ends = [name for name in shapes if (first and name.startswith("wpe")) or (last and config.tie_embeddings and
+            name.startswith("wte")) or (last and name.startswith(("ln_f", "lm_head")))]
+    units = [ends, [name for name in shapes if first and name.startswith("wte") and name not in ends]]
+    units += [[name for name in shapes if name.startswith(f"blocks.{layer}.")] for layer in layers(config.n_layer,
+                                                                                                   layout.pp, stage)]
     return [[(names, matrix) for matrix in (True, False)
-             if (names := [name for name in unit if (shapes[name].dim() >= 2) == matrix])]
-            for unit in four_d_names(config, layout, stage, layers)]
+             if (names := [name for name in unit if (shapes[name].dim() >= 2) == matrix])] for unit in units]
 
 
 def shard_spans(sizes, ranks, rank):
@@ -436,10 +430,9 @@ def four_d_spans(config, layout, stage, layers, sliced, data_rank):
 
 def four_d_units(config, layout, stage, layers, sliced):
     """([(elements of each FlatParameter's shard, whether it is gathered in the compute dtype)] of each FSDP unit,
-    whether the unit stays gathered from forward to backward) of train_4d.py's stage `stage`, in its order: the root
-    (wpe on the first stage; ln_f, the LM head, a tied wte on the last), wte's own unit on the first stage, each
-    block; TP-sliced, sharded over the dp x cp ranks, padded (--dp_impl ddp: whole). As train_fsdp.py gathers them:
-    the matrices in the compute dtype, but for an embedding table (wte, wpe); the 1-D flats in float32."""
+    whether the unit stays gathered from forward to backward) of train_4d.py's stage `stage`, in four_d_flats' order;
+    TP-sliced, sharded over the dp x cp ranks, padded (--dp_impl ddp: whole). As train_fsdp.py gathers them: the
+    matrices in the compute dtype, but for an embedding table (wte, wpe); the 1-D flats in float32."""
     last, ranks = stage == layout.pp - 1, layout.dp * layout.cp if layout.dp_impl == "fsdp" else 1
     sizes, flats = local_sizes(config, layout.tp, sliced), four_d_flats(config, layout, stage, layers)
     kept = [index == len(flats) - 1 or (index == 0 and last and config.tie_embeddings) for index in range(len(flats))]
@@ -528,7 +521,7 @@ def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
     ranks = layout.dp * layout.cp if fsdp else 1
     held = list(layers(config.n_layer, layout.pp, stage))
     shards, _ = four_d_units(config, layout, stage, layers, sliced)
-    names = [name for unit in four_d_names(config, layout, stage, layers) for name in unit]
+    names = [name for unit in four_d_flats(config, layout, stage, layers) for flat, _ in unit for name in flat]
     params = sum(n for unit in shards for n, _ in unit)
     tensors = sum(map(len, shards)) if fsdp else len(names)  # AdamW's step: one a FlatParameter, or a parameter
     e = 2 if layout.dtype == "bfloat16" else 4
