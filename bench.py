@@ -249,13 +249,13 @@ def strategies(args):
         buckets=train_ddp.assign_buckets, **STRATEGY_CODE, **layout)
     states = lambda strategy, world_size, dp, tp=1, **options: lambda: model_states(config, plan.Layout(  # noqa: E731
         strategy, world_size, dp, tp, 1, bucket_mb=args.bucket_mb, **options))
-    sequence_parallel = ["--sequence_parallel"] * args.sequence_parallel  # --sequence_parallel: tp and 2d with it
+    sequence_parallel = ["--sequence_parallel"] * args.sequence_parallel  # --sequence_parallel: tp, 2d and 4d with it
     ours_and_torch = ["ours", "torch"]
     cp_impls = ours_and_torch if args.device == "cuda" else [None]  # torch's context_parallel: CUDA kernels alone
     buckets = ["--bucket_mb", str(args.bucket_mb)]
     micro_batch = train_pp.pipelined_micro_batch(args.global_batch, 2)  # train_4d.py's default at --pp 2, --dp 1
-    four_d = plan.Layout("4d", 8, 1, 2, micro_batch, args.dtype, pp=2, micro_batches=args.global_batch // micro_batch,
-                         cp=2)
+    four_d = plan.Layout("4d", 8, 1, 2, micro_batch, args.dtype, args.sequence_parallel, pp=2, cp=2,
+                         micro_batches=args.global_batch // micro_batch)
     stage_0 = dict(stage=0, layers=train_pp.stage_layers, schedule=train_pp.schedule, sliced=train_tp.is_sliced)
     return {
         "single": Strategy("train_single.py", 1, [], [None], 1, lambda: [], states("single", 1, 1)),
@@ -283,8 +283,8 @@ def strategies(args):
         "cp4": Strategy("train_cp.py", 4, ["--cp", "4"], cp_impls, 4, formula("cp", dp=1, cp=4), states("ddp", 4, 4)),
         "cp4_ring": Strategy("train_cp.py", 4, ["--cp", "4", "--cp_impl", "ring"], cp_impls, 4,
                              formula("cp", dp=1, cp=4, cp_impl="ring"), states("ddp", 4, 4)),
-        "4d": Strategy("train_4d.py", 8, ["--pp", "2", "--cp", "2", "--tp", "2"], [None], 2,  # every group of 2
-                       lambda: plan.four_d_terms(config, four_d, backend=backend, **stage_0),
+        "4d": Strategy("train_4d.py", 8, ["--pp", "2", "--cp", "2", "--tp", "2"] + sequence_parallel, [None],
+                       2, lambda: plan.four_d_terms(config, four_d, backend=backend, **stage_0),  # every group of 2
                        lambda: sum(size for _, size in plan.four_d_stage_plan(config, four_d, **stage_0)[:3])),
     }
 
@@ -545,7 +545,7 @@ def main(argv=None):
     p = arguments(__doc__)
     p.add_argument("--strategies", default="single,ddp,zero1,zero2,fsdp,hsdp,tp,2d",
                    help="comma-separated strategies to run")
-    p.add_argument("--sequence_parallel", action="store_true", help="tp and 2d with --sequence_parallel")
+    p.add_argument("--sequence_parallel", action="store_true", help="tp, 2d and 4d with --sequence_parallel")
     p.add_argument("--rounds", type=int, default=2, help="runs of each strategy and implementation; the best counts")
     p.add_argument("--impls", type=lambda text: text.split(","), default=["ours", "torch"],
                    help="comma-separated: ours, torch (default: both)")

@@ -224,15 +224,19 @@ def host_plan(config, layout, units=None, sliced=None):
     return model_states(params, tensors)
 
 
-def save_staging(config, layout, sliced=None, units=None):
+def save_staging(config, layout, sliced=None, units=None, layers=None):
     """Host bytes one rank stages while it saves a checkpoint, at most: torch.save copies a device storage to the host
     one at a time, and each piece a rank writes (a parameter's part, each moment's over it) is a storage of its own
     (checkpoint.piece), so the largest one on the device; host tensors (--cpu_offload's shards and moments) are
-    written where they lie, without a copy."""
+    written where they lie, without a copy. 4d: a stage's TP slices, each rank its spans of the flats' shards over
+    the dp x cp ranks (--dp_impl ddp: whole; layers: train_pp.stage_layers)."""
     fsdp = layout.strategy in ("fsdp", "2d")
     if fsdp and layout.cpu_offload:
         return 0
     sizes = local_sizes(config, layout.tp, sliced)
+    if layout.strategy == "4d":
+        return 4 * max(n for stage in range(layout.pp) for rank in range(layout.dp * layout.cp)
+                       for n in four_d_spans(config, layout, stage, layers, sliced, rank).values())
     if not fsdp:  # whole parameters (TP: this rank's slices), written by the lowest rank holding each
         return 4 * max(sizes.values())
     ranks = layout.dp // layout.replicate  # a parameter's part is what of it lies in this rank's shard of its unit
@@ -395,45 +399,61 @@ def pipeline_plan(config, layout, layers, schedule):
     return max(plans, key=lambda rows: sum(size for _, size in rows))
 
 
-def four_d_names(config, layout, stage, layers):
-    """[the parameter names of each of train_4d.py's FSDP units] on stage `stage`, in their order: the root (wpe on
-    the first stage; ln_f, the LM head, a tied wte on the last), wte's own unit on the first stage, each block."""
-    first, last, names = stage == 0, stage == layout.pp - 1, list(dict(model_on_meta(config).named_parameters()))
-    ends = [name for name in names if (first and name.startswith("wpe")) or (last and config.tie_embeddings and
+def four_d_flats(config, layout, stage, layers):
+    """[[(the names of each FlatParameter, whether it holds matrices)] of each of train_4d.py's FSDP units] on stage
+    `stage`, in their order: the root (wpe on the first stage; ln_f, the LM head, a tied wte on the last), wte's own
+    unit on the first stage, each block; a unit's matrices, then its 1-D parameters, as train_fsdp.py flattens them."""
+    first, last, shapes = stage == 0, stage == layout.pp - 1, dict(model_on_meta(config).named_parameters())
+    ends = [name for name in shapes if (first and name.startswith("wpe")) or (last and config.tie_embeddings and
             name.startswith("wte")) or (last and name.startswith(("ln_f", "lm_head")))]
-    units = [ends] + [[name for name in names if first and name.startswith("wte") and name not in ends]]
-    return units + [[name for name in names if name.startswith(f"blocks.{layer}.")]
-                    for layer in layers(config.n_layer, layout.pp, stage)]
+    units = [ends, [name for name in shapes if first and name.startswith("wte") and name not in ends]]
+    units += [[name for name in shapes if name.startswith(f"blocks.{layer}.")] for layer in layers(config.n_layer,
+                                                                                                   layout.pp, stage)]
+    return [[(names, matrix) for matrix in (True, False)
+             if (names := [name for name in unit if (shapes[name].dim() >= 2) == matrix])] for unit in units]
+
+
+def shard_spans(sizes, ranks, rank):
+    """Elements of each of `sizes`, laid end to end and padded to `ranks` equal shards, in shard `rank` (train_fsdp's
+    shard_layout): the padding is the last shard's, so the first holds more of a flat than its mean share."""
+    shard, ends = -(-sum(sizes) // ranks), list(itertools.accumulate(sizes))
+    return [max(0, min(end, (rank + 1) * shard) - max(end - size, rank * shard)) for size, end in zip(sizes, ends)]
+
+
+def four_d_spans(config, layout, stage, layers, sliced, data_rank):
+    """{name: elements of it that rank `data_rank` of its data group holds} on train_4d.py's stage `stage`: its span
+    of its FlatParameter's shard over the dp x cp ranks (--dp_impl ddp: its whole TP slice)."""
+    sizes, ranks = local_sizes(config, layout.tp, sliced), layout.dp * layout.cp if layout.dp_impl == "fsdp" else 1
+    return {name: n for unit in four_d_flats(config, layout, stage, layers) for names, _ in unit
+            for name, n in zip(names, shard_spans([sizes[name] for name in names], ranks, data_rank % ranks))}
 
 
 def four_d_units(config, layout, stage, layers, sliced):
     """([(elements of each FlatParameter's shard, whether it is gathered in the compute dtype)] of each FSDP unit,
-    whether the unit stays gathered from forward to backward) of train_4d.py's stage `stage`, in its order: the root
-    (wpe on the first stage; ln_f, the LM head, a tied wte on the last), wte's own unit on the first stage, each
-    block; TP-sliced, sharded over the dp x cp ranks, padded (--dp_impl ddp: whole). As train_fsdp.py gathers them:
-    the matrices in the compute dtype, but for an embedding table (wte, wpe); the 1-D flats in float32."""
+    whether the unit stays gathered from forward to backward) of train_4d.py's stage `stage`, in four_d_flats' order;
+    TP-sliced, sharded over the dp x cp ranks, padded (--dp_impl ddp: whole). As train_fsdp.py gathers them: the
+    matrices in the compute dtype, but for an embedding table (wte, wpe); the 1-D flats in float32."""
     last, ranks = stage == layout.pp - 1, layout.dp * layout.cp if layout.dp_impl == "fsdp" else 1
-    sizes, shapes = local_sizes(config, layout.tp, sliced), dict(model_on_meta(config).named_parameters())
-    units = four_d_names(config, layout, stage, layers)
-    flats = [[([name for name in unit if (shapes[name].dim() >= 2) == matrix], matrix) for matrix in (True, False)]
-             for unit in units]
-    kept = [index == len(units) - 1 or (index == 0 and last and config.tie_embeddings) for index in range(len(units))]
+    sizes, flats = local_sizes(config, layout.tp, sliced), four_d_flats(config, layout, stage, layers)
+    kept = [index == len(flats) - 1 or (index == 0 and last and config.tie_embeddings) for index in range(len(flats))]
     return [[(-(-sum(sizes[name] for name in names) // ranks), matrix and not any(name.startswith(("wte", "wpe"))
                                                                                   for name in names))
-             for names, matrix in unit if names] for unit in flats], kept
+             for names, matrix in unit] for unit in flats], kept
 
 
-def four_d_terms(config, layout, stage, layers, schedule, sliced, backend):
-    """[Term] one rank of train_4d.py's stage `stage` sends in an optimizer step: the sum of the axes' own. TP's f and
-    g over the stage's blocks (the embedding's g on the first stage, the LM head's f and the loss on the last), for
-    b·s/cp tokens a micro-batch; CP's attention over the stage's blocks, on this rank's KV heads; PP's activation
-    forward and gradient back a micro-batch (sends; the receives carry nothing of their own); FSDP's gathers and
-    reduce-scatters over the dp x cp ranks, a micro-batch each (a kept unit, every unit under --no_reshard, once
-    between two backwards, as the schedule orders them); the tied weight's gradient shard summed between the end
-    stages; the gradient norm, the step's agreement and the logged loss over every rank. Sequence parallel: TP's
-    reduce-scatters and all-gathers, a stage's 1/tp of the tokens point to point, and the replicated parameters'
-    gradient shards summed over TP. FSDP's only (--dp_impl ddp: not counted)."""
-    first, last, m = stage == 0, stage == layout.pp - 1, layout.micro_batches
+def four_d_terms(config, layout, stage, layers, schedule, sliced, backend, buckets=None, data_rank=0):
+    """[Term] one rank of train_4d.py's stage `stage` (rank `data_rank` of its data group) sends in an optimizer step:
+    the sum of the axes' own. TP's f and g over the stage's blocks (the embedding's g on the first stage, the LM head's
+    f and the loss on the last), for b·s/cp tokens a micro-batch; CP's attention over the stage's blocks, on this
+    rank's KV heads; PP's activation forward and gradient back a micro-batch (sends; the receives carry nothing of
+    their own); FSDP's gathers and reduce-scatters over the dp x cp ranks, a micro-batch each (a kept unit, every unit
+    under --no_reshard, once between two backwards, as the schedule orders them), or --dp_impl ddp's gradient buckets
+    (buckets: train_ddp.assign_buckets) all-reduced in the last micro-batch's backward; the tied weight's gradient
+    (FSDP: this rank's span of it) summed between the end stages; the gradient norm (DDP: over one replica's pp x tp
+    ranks), the step's agreement and the logged loss over every rank. Sequence parallel: TP's reduce-scatters and
+    all-gathers, a stage's 1/tp of the tokens point to point, and this rank's spans of the replicated parameters'
+    gradients (each flat's padding on its last shard) summed over TP."""
+    first, last, m, fsdp = stage == 0, stage == layout.pp - 1, layout.micro_batches, layout.dp_impl == "fsdp"
     held = len(layers(config.n_layer, layout.pp, stage))
     tokens, e = layout.micro_batch * config.block_size // layout.cp, 2 if layout.dtype == "bfloat16" else 4
     ranks, world = layout.dp * layout.cp, layout.world_size
@@ -447,33 +467,39 @@ def four_d_terms(config, layout, stage, layers, schedule, sliced, backend):
         terms += [Term("activations forward, their gradients back (point to point)", "send", "pp", sends,
                        sends * e * tokens // (layout.tp if layout.sequence_parallel else 1) * config.n_embd),
                   Term("what the neighbouring stages send", "recv", "pp", sends, 0)]
-    shards, kept = four_d_units(config, layout, stage, layers, sliced)
-    order = schedule(layout.schedule, stage, layout.pp, m)
-    held_between = 0  # a kept unit: gathered by a forward or a backward that finds it freed, freed as a backward ends
-    gathered = False
-    for kind, _ in order:
-        held_between += not gathered
-        gathered = kind == "forward"
-    times = [held_between if keep or not layout.reshard else 2 * m for keep in kept]  # --no_reshard: all kept
-    gathers = sum(len(unit) * n for unit, n in zip(shards, times))
-    gathered_bytes = sum(shard * n * sent("all_gather", e if cast else 4, ranks, backend)
-                         for unit, n in zip(shards, times) for shard, cast in unit)
-    scattered = sum(m * sent("reduce_scatter", 4 * shard * ranks, ranks, backend) for unit in shards
-                    for shard, _ in unit)
-    terms += [Term("each unit's weights, before its forward and again before its backward", "all_gather", "data",
-                   gathers, gathered_bytes),
-              Term("each unit's float32 gradient, as its backward ends", "reduce_scatter", "data",
-                   m * sum(map(len, shards)), scattered)]
-    if layout.sequence_parallel:  # this rank's spans of the stage's replicated parameters, as train_2d's plan counts
-        names = [name for unit in four_d_names(config, layout, stage, layers) for name in unit if not sliced(name)]
+    spans = four_d_spans(config, layout, stage, layers, sliced, data_rank)  # {name: elements of its gradient here}
+    if fsdp:
+        shards, kept = four_d_units(config, layout, stage, layers, sliced)
+        held_between = 0  # a kept unit: gathered by a forward or a backward that finds it freed, freed as one ends
+        gathered = False
+        for kind, _ in schedule(layout.schedule, stage, layout.pp, m):
+            held_between += not gathered
+            gathered = kind == "forward"
+        times = [held_between if keep or not layout.reshard else 2 * m for keep in kept]  # --no_reshard: all kept
+        terms += [Term("each unit's weights, before its forward and again before its backward", "all_gather", "data",
+                       sum(len(unit) * n for unit, n in zip(shards, times)),
+                       sum(shard * n * sent("all_gather", e if cast else 4, ranks, backend)
+                           for unit, n in zip(shards, times) for shard, cast in unit)),
+                  Term("each unit's float32 gradient, as its backward ends", "reduce_scatter", "data",
+                       m * sum(map(len, shards)), sum(m * sent("reduce_scatter", 4 * shard * ranks, ranks, backend)
+                                                      for unit in shards for shard, _ in unit))]
+    else:
+        if buckets is None:
+            raise ValueError("a DDP layout needs the strategy's own buckets: pass buckets=train_ddp.assign_buckets")
+        named = [(name, torch.empty(spans[name], device="meta"))  # in the model's order, as the buckets fill
+                 for name in local_sizes(config) if name in spans]
+        terms.append(Term("gradient buckets, during the last micro-batch's backward", "all_reduce", "data",
+                          len(buckets(named, layout.bucket_mb)), sent("all_reduce", 4 * sum(spans.values()), ranks,
+                                                                      backend)))
+    if layout.sequence_parallel:
         terms.append(Term("replicated parameters' gradients (norms, biases, wpe)", "all_reduce", "tp", 1, sent(
-            "all_reduce", 4 * sum(local_sizes(config, layout.tp, sliced)[name] for name in names) / ranks, layout.tp,
-            backend)))
+            "all_reduce", 4 * sum(n for name, n in spans.items() if not sliced(name)), layout.tp, backend)))
     if config.tie_embeddings and layout.pp > 1 and (first or last):
-        wte = -(-local_sizes(config, layout.tp, sliced)["wte.weight"] // ranks)
-        terms.append(Term("the tied weight's gradient shard, summed between the end stages", "all_reduce", "ends", 1,
-                          sent("all_reduce", 4 * wte, 2, backend)))
-    return terms + [Term("gradient norm", "all_reduce", "world", 1, sent("all_reduce", 4, world, backend)),
+        terms.append(Term("the tied weight's gradient, summed between the end stages", "all_reduce", "ends", 1,
+                          sent("all_reduce", 4 * spans["wte.weight"], 2, backend)))
+    norm = world if fsdp else layout.pp * layout.tp  # FSDP's shards are disjoint over every rank; DDP's replicas not
+    return terms + [Term("gradient norm", "all_reduce", "world" if fsdp else "model", 1,
+                         sent("all_reduce", 4, norm, backend)),
                     Term("whether the gradient norm is finite and a rank was asked to stop", "all_reduce", "world", 1,
                          sent("all_reduce", 8, world, backend)),
                     Term("the logged loss", "all_reduce", "world", 1, sent("all_reduce", 4, world, backend))]
@@ -495,7 +521,7 @@ def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
     ranks = layout.dp * layout.cp if fsdp else 1
     held = list(layers(config.n_layer, layout.pp, stage))
     shards, _ = four_d_units(config, layout, stage, layers, sliced)
-    names = [name for unit in four_d_names(config, layout, stage, layers) for name in unit]
+    names = [name for unit in four_d_flats(config, layout, stage, layers) for flat, _ in unit for name in flat]
     params = sum(n for unit in shards for n, _ in unit)
     tensors = sum(map(len, shards)) if fsdp else len(names)  # AdamW's step: one a FlatParameter, or a parameter
     e = 2 if layout.dtype == "bfloat16" else 4
@@ -797,7 +823,7 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
                                   (f"total, a node of {node} ranks", node * sum(size for _, size in host)),
                                   (f"of which pinned, a node of {node} ranks", node * pinned)]:
             say(f"  {item:66} {format_bytes(size):>11}")
-    staged = save_staging(config, layout, sliced, units)
+    staged = save_staging(config, layout, sliced, units, layers)
     say(f"saving a checkpoint, host memory staged: {format_bytes(staged)} a rank, {format_bytes(node * staged)} a node "
         f"of {node} (at most its largest piece on the device; host tensors are written where they lie)")
     return rows

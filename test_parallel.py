@@ -7079,8 +7079,14 @@ def test_4d_resumes_from_and_into_one_device(corpus, shared_tmp, tmp_path_factor
 
 def _states_held_by_4d(argv):
     """train_4d.main(argv) on this rank: (the bytes of parameters, gradients and AdamW state it held, the most bytes
-    FSDP's gathered FlatParameters held at once)."""
+    FSDP's gathered FlatParameters held at once, the bytes of the largest piece its last checkpoint wrote)."""
     start_gather, free, gathered = train_fsdp.FlatParameter.start_gather, train_fsdp.FlatParameter.free, [0, 0]
+    real_pieces, largest = checkpoint.pieces, [0]
+
+    def pieces(*args):
+        tensors = real_pieces(*args)
+        largest[0] = max(piece["data"].nbytes for written in tensors.values() for piece in written)
+        return tensors
 
     def counted(method, sign):
         def wrapper(flat):
@@ -7092,55 +7098,80 @@ def _states_held_by_4d(argv):
         return wrapper
 
     train_fsdp.FlatParameter.start_gather, train_fsdp.FlatParameter.free = counted(start_gather, 1), counted(free, -1)
+    checkpoint.pieces = pieces
     try:
         with bench.memory_held({}) as held, one_thread():
             train_4d.main(argv)
     finally:
         train_fsdp.FlatParameter.start_gather, train_fsdp.FlatParameter.free = start_gather, free
-    return held["parameters"] + held["gradients"] + held["optimizer"], gathered[1]
+        checkpoint.pieces = real_pieces
+    return held["parameters"] + held["gradients"] + held["optimizer"], gathered[1], largest[0]
 
 
 def test_4d_plan_counts_each_stages_shards_to_the_byte(corpus, shared_tmp, capsys):
     """--plan knows train_4d.py: on 2 stages x 2 context-parallel x 2 tensor-parallel ranks, each rank's parameters,
     gradients and AdamW state are its stage's TP slices in train_4d's FSDP units, each flat shard padded over the data
     group (the 2 context-parallel ranks), as the planner counts them, to the byte, and so are the gathered weights
-    at their peak (the root, the pair a block's forward prefetches, the last block a forward left kept); under
-    --dp_impl ddp (2 stages x 2 replicas) its whole stage; --plan prints the fullest stage."""
+    at their peak (the root, the pair a block's forward prefetches, the last block a forward left kept), and the
+    largest piece a rank's checkpoint writes is the plan's host staging (a parameter's span of a shard); under
+    --dp_impl ddp (2 stages x 2 replicas) its whole stage, and rank 0 sends plan.four_d_terms' collectives, to the
+    byte (its gradient bucket in the last micro-batch, the tied weight's whole slice, the norm over one replica);
+    --plan prints the fullest stage."""
     held = run_distributed(8, _states_held_by_4d, flags(corpus, shared_tmp, pp=2, cp=2, tp=2, max_steps=1))
     config = gpt.make_config("tiny", 256, 32)
     layout = plan.Layout("4d", 8, 1, 2, 2, pp=2, micro_batches=8, cp=2)
-    for rank, (states, gathered) in enumerate(held):
+    for rank, (states, gathered, piece) in enumerate(held):
         rows = plan.four_d_stage_plan(config, layout, rank // 4, train_pp.stage_layers, train_pp.schedule,
                                       train_tp.is_sliced)
         assert states == sum(size for _, size in rows[:3]), (rank, rows[:3])
         assert [gathered] == [size for item, size in rows if item.startswith("gathered weights")], (rank, rows)
-    held = run_distributed(4, _states_held_by_4d, flags(corpus, os.path.join(shared_tmp, "ddp"), pp=2, dp=2,
-                                                          dp_impl="ddp", max_steps=1))
+        spans = plan.four_d_spans(config, layout, rank // 4, train_pp.stage_layers, train_tp.is_sliced, rank // 2 % 2)
+        assert piece == 4 * max(spans.values()), (rank, spans)  # its largest span of a shard, on stage rank // 4
+    staged = plan.save_staging(config, layout, train_tp.is_sliced, layers=train_pp.stage_layers)
+    assert max(piece for *_, piece in held) == staged  # the largest piece any rank's save copies to the host
+    held = run_distributed(4, _profiled, train_4d.main, flags(corpus, os.path.join(shared_tmp, "ddp"), pp=2, dp=2,
+                                                                 dp_impl="ddp"))
     layout = plan.Layout("4d", 4, 2, 1, 2, pp=2, micro_batches=4, dp_impl="ddp")  # --dp_impl ddp: whole stages
-    for rank, (states, _) in enumerate(held):
+    for rank, (_, states) in enumerate(held):
         rows = plan.four_d_stage_plan(config, layout, rank % 2, train_pp.stage_layers, train_pp.schedule, None)
-        assert states == sum(size for _, size in rows[:3]), (rank, rows[:3])
+        assert states["parameters"] + states["gradients"] + states["optimizer"] == sum(size for _, size in rows[:3])
+    terms = plan.four_d_terms(config, layout, 0, train_pp.stage_layers, train_pp.schedule, None, "gloo",
+                              train_ddp.assign_buckets)
+    sent = assert_sends_its_formula(held[0][0], terms, 2)  # rank 0: stage 0 of data rank 0
+    # bench counts TP's all-reduces over its one rank, which send nothing, as pairs: each a float32 residual stream
+    one_rank = sum(term.count for term in terms if term.group == "tp") * 4 * 2 * 32 * config.n_embd
+    assert sent - one_rank == pytest.approx(as_bench_counts(terms, {"world": 4}), abs=0.5), terms
     rows = train_4d.main(["--plan", "--world_size", "16", "--dp", "2", "--pp", "2", "--cp", "2", "--tp", "2",
                           "--block_size", "32"])
     assert "4d on 16 ranks (dp 2 x tp 2 x cp 2, allgather x pp 2, 1f1b)" in capsys.readouterr().out
     assert rows[0][0].startswith("stage ")
 
 
+def as_bench_counts(terms, sizes, group_size=2):
+    """The bytes of `terms` as bench.py counts them, every collective over group_size ranks: a term over a group of
+    another size ({group: ranks}) rescaled by the ring factors."""
+    return sum(term.bytes * plan.wire_bytes(term.kind, 1, group_size) / plan.wire_bytes(term.kind, 1, sizes[term.group])
+               if term.group in sizes else term.bytes for term in terms)
+
+
 @launches_its_own_ranks
 def test_4d_bench_measures_what_the_formula_says(corpus, tmp_path):
-    """What rank 0 (stage 0 of 2, of 2 context-parallel x 2 tensor-parallel ranks) sends in one step, read from the
-    profiler by bench.py, is plan.four_d_terms, the sum of the axes' own terms: the same number of collectives and the
-    bytes within 1% (the gradient norm's, the agreement's and the logged loss's 16 bytes run over all 8 ranks, which
-    bench counts in groups of 2). GPT-2 (the tied weight's sum), 1F1B, 4 micro-batches of 2, float32; bench.py
-    --strategies 4d runs the same layout beside the same formula and the planned model states."""
+    """What rank 0 (stage 0 of 2, of 2 context-parallel x 2 tensor-parallel ranks, sequence parallel) sends in one
+    step, read from the profiler by bench.py, is plan.four_d_terms, the sum of the axes' own terms: the same number of
+    collectives and the same bytes (the gradient norm's, the agreement's and the logged loss's run over all 8 ranks,
+    which bench counts in groups of 2), among them rank 0's spans of the replicated parameters' gradients, more than
+    their mean share (each flat's padding lies on its last shard). GPT-2 (the tied weight's sum), 1F1B, 4
+    micro-batches of 2, float32; bench.py --strategies 4d --sequence_parallel runs the same layout beside the same
+    formula and the planned model states. Without sequence parallelism the same FSDP, CP and PP terms are counted;
+    TP's own: test_bench_formula_counts_every_collective[tp]; --dp_impl ddp's: test_4d_plan_counts_each_stages_shards_to_the_byte."""
     args = argparse.Namespace(model="tiny", data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
                               dtype="float32", compile=False, threads=1)
-    extra = ["--pp", "2", "--cp", "2", "--tp", "2", "--micro_batch", "2"]
+    extra = ["--pp", "2", "--cp", "2", "--tp", "2", "--micro_batch", "2", "--sequence_parallel"]
     row = bench.run_once(args, "4d", "train_4d.py", 8, extra, None, 2, 8, str(tmp_path))
-    layout = plan.Layout("4d", 8, 1, 2, 2, pp=2, micro_batches=4, cp=2)
+    layout = plan.Layout("4d", 8, 1, 2, 2, sequence_parallel=True, pp=2, micro_batches=4, cp=2)
     terms = plan.four_d_terms(gpt.make_config("tiny", 256, 32), layout, 0, train_pp.stage_layers, train_pp.schedule,
                               train_tp.is_sliced, "gloo")
     assert row["collectives"] == sum(term.count for term in terms), terms
-    assert row["comm_bytes"] == pytest.approx(sum(term.bytes for term in terms), rel=0.01), terms
-    table = bench.strategies(argparse.Namespace(global_batch=8, bucket_mb=25, sequence_parallel=False, **vars(args)))
+    assert row["comm_bytes"] == pytest.approx(as_bench_counts(terms, {"world": 8}), abs=0.5), terms
+    table = bench.strategies(argparse.Namespace(global_batch=8, bucket_mb=25, sequence_parallel=True, **vars(args)))
     assert table["4d"].formula() == terms and row["state_bytes"] == table["4d"].states()
