@@ -45,6 +45,10 @@ class GPTConfig:
     rope_theta: float = None  # rotary position angles' base (Llama 3: 500,000); None: GPT-2's learned table wpe
     rope_scaling: tuple = None  # Llama 3.1's: (factor, low_freq_factor, high_freq_factor, original context)
     tie_embeddings: bool = True  # the LM head is wte (GPT-2, Llama 3.2 1B, 3B), else a [vocab, n_embd] of its own
+    # Mixture of experts (Mixtral): each token runs n_expert_per_token of n_expert MLPs, each of width mlp_hidden
+    n_expert: int = 0  # 0: one dense MLP a block
+    n_expert_per_token: int = 2
+    balance_rate: float = 1e-3  # DeepSeek-V3's bias update speed (its gamma): see MoE
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -65,6 +69,8 @@ class GPTConfig:
 LLAMA3 = dict(bias=False, swiglu=True, rms_norm=True, rope_theta=500000.0, n_kv_head=8)
 LLAMA31 = dict(LLAMA3, rope_scaling=(8.0, 1.0, 4.0, 8192), tie_embeddings=False)
 LLAMA32 = dict(LLAMA3, rope_scaling=(32.0, 1.0, 4.0, 8192))
+# Mixtral (Jiang et al. 2024; Hugging Face's config.json): Llama's blocks, each MLP 8 experts of which a token runs 2
+MIXTRAL = dict(LLAMA3, rope_theta=1e6, tie_embeddings=False, n_expert=8, n_expert_per_token=2)
 
 PRESETS = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128),  # ~0.9M parameters with the byte vocabulary: trains on a laptop CPU
@@ -89,6 +95,9 @@ PRESETS = {
     "llama3.1-8b": dict(LLAMA31, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=14336),  # 8.03B
     "llama3.1-70b": dict(LLAMA31, n_layer=80, n_head=64, n_embd=8192, mlp_hidden=28672),  # 70.6B
     "llama3.1-405b": dict(LLAMA31, n_layer=126, n_head=128, n_embd=16384, mlp_hidden=53248),  # 405.9B
+    "moe-tiny": dict(MIXTRAL, n_layer=4, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=128),  # 1.84M, 0.63M active
+    "mixtral-8x7b": dict(MIXTRAL, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=14336),  # 46.7B, 12.9B active
+    "mixtral-8x22b": dict(MIXTRAL, n_layer=56, n_head=48, n_embd=6144, mlp_hidden=16384),  # 140.6B, 39.2B active
 }
 
 
@@ -105,6 +114,8 @@ def check_config(config):
         raise ValueError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
     if config.n_head % config.n_kv_head:
         raise ValueError(f"n_head {config.n_head} is not divisible by n_kv_head {config.n_kv_head}")
+    if config.n_expert and not 0 < config.n_expert_per_token <= config.n_expert:
+        raise ValueError(f"n_expert_per_token {config.n_expert_per_token} is not in 1 .. n_expert {config.n_expert}")
 
 
 def norm(config):
@@ -208,13 +219,59 @@ class MLP(nn.Module):
         return self.dropout(self.proj(hidden))
 
 
+class MoE(nn.Module):
+    """Mixtral's sparse MLP: a router scores the n_expert MLPs for each token, the token runs its top
+    n_expert_per_token, and their outputs add up weighted by the router's softmax renormalised over those chosen.
+    Dropless: an expert takes every token routed to it (no capacity), so no layout changes what a token computes.
+    Balanced as DeepSeek-V3 (Liu et al. 2024, 2.1.2) balances, without an auxiliary loss: a bias per expert, added to
+    the scores only to choose, moves after each step toward the mean load over the global batch (training.py sums
+    tokens_per_expert over the ranks). A loss term would need the global loads inside the forward pass; the bias
+    needs them between steps, where every layout already agrees on the step."""
+
+    def __init__(self, config, layer):
+        super().__init__()
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = nn.ModuleList(MLP(config) for _ in range(config.n_expert))
+        self.top_k, self.balance_rate = config.n_expert_per_token, config.balance_rate
+        self.layer, self.n_layer = layer, config.n_layer  # where this layer's loads go in training.py's sum
+        self.register_buffer("expert_bias", torch.zeros(config.n_expert))
+        self.register_buffer("tokens_per_expert", torch.zeros(config.n_expert), persistent=False)
+
+    def forward(self, x):
+        tokens = x.flatten(0, 1)
+        scores = F.softmax(self.router(tokens), dim=-1, dtype=torch.float32)
+        chosen = torch.topk(scores + self.expert_bias, self.top_k).indices  # [tokens, top_k] expert indices
+        weights = scores.gather(1, chosen)
+        weights = weights / weights.sum(dim=1, keepdim=True)
+        if self.training:
+            self.tokens_per_expert += torch.bincount(chosen.flatten(), minlength=len(self.expert_bias))
+        return self.run_experts(tokens, chosen, weights.type_as(x)).view_as(x)
+
+    def run_experts(self, tokens, chosen, weights):
+        """Each token's chosen experts' outputs, weighted and summed: one expert at a time over the tokens routed to
+        it (an expert that got none still runs, on none, so every expert has a gradient). A method of its own so that
+        expert parallelism (train_ep.py) can replace it with one that sends tokens to the experts' ranks."""
+        y = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            y = y.index_add(0, token, expert(tokens[token]) * weights[token, slot, None])
+        return y
+
+    @torch.no_grad()
+    def balance(self, load):
+        """After a step, load: its tokens per expert over the global batch. An expert above the mean load is made
+        less likely to be chosen, one below it more (only the sign counts, so a load counted twice moves it alike)."""
+        self.expert_bias += self.balance_rate * torch.sign(load.mean() - load)
+        self.tokens_per_expert.zero_()
+
+
 class Block(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer=0):
         super().__init__()
         self.ln_1 = norm(config)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config, layer) if config.n_expert else MLP(config)
 
     def forward(self, x, rope=None):
         x = x + self.attn(self.ln_1(x), rope)
@@ -228,7 +285,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.rope_theta is None else None
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.ln_f = norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.tie_weights()
@@ -261,6 +318,8 @@ class GPT(nn.Module):
         value = value or partial(initial_value, config=self.config, seed=seed)
         for name, param in self.named_parameters():
             param.copy_(value(name, param.shape))
+        for buffer in self.buffers():  # the experts' balancing biases and loads
+            buffer.zero_()
 
     def tie_weights(self):
         """A tied LM head is wte itself: named_parameters() lists it once, as wte.weight."""
@@ -268,13 +327,15 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
 
     def num_params(self, with_embeddings=True):
-        """Every parameter, or only those a token is multiplied by: no wpe, and no wte where the LM head is a matrix
-        of its own (a token only looks wte up)."""
+        """Every parameter, or only those a token is multiplied by: no wpe, no wte where the LM head is a matrix of
+        its own (a token only looks wte up), and of a mixture's experts only the n_expert_per_token it runs."""
         n = sum(p.numel() for p in self.parameters())
         if with_embeddings:
             return n
         looked_up = [self.wpe] + [self.wte] * (not self.config.tie_embeddings)
-        return n - sum(module.weight.numel() for module in looked_up if module is not None)
+        idle = sum(p.numel() for name, p in self.named_parameters() if ".experts." in name)
+        idle *= 1 - self.config.n_expert_per_token / max(self.config.n_expert, 1)
+        return n - sum(module.weight.numel() for module in looked_up if module is not None) - int(idle)
 
 
 def cross_entropy(logits, targets, vocab_size):
@@ -294,7 +355,7 @@ def initial_value(name, shape, config, seed, box=None):
     if name.endswith("bias") or ".ln_" in name or name.startswith("ln_"):
         return torch.full([stop - start for start, stop in box], float(not name.endswith("bias")))
     std = 0.02
-    if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+    if name.endswith("proj.weight"):
         std /= math.sqrt(2 * config.n_layer)  # GPT-2: residual projections scaled by 1/sqrt(2 n_layer)
     (top, bottom), (left, right) = box  # every drawn parameter is a matrix
     first_row, first_column = top - top % INIT_TILE[0], left - left % INIT_TILE[1]

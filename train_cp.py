@@ -355,7 +355,7 @@ def main(argv=None):
                 loss.backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        diverged, stopping = stop_request.agreed(grad_norm, model)  # one read of the device, alike on every rank
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients are views into the all-reduce buckets

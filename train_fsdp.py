@@ -373,7 +373,7 @@ def main(argv=None):
             loss.backward()  # each unit's gradient is reduce-scattered (averaged over ranks) as its backward ends
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
-        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        diverged, stopping = stop_request.agreed(grad_norm, model)  # one read of the device, alike on every rank
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

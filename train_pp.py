@@ -317,7 +317,7 @@ def main(argv=None):
         loss_sum = run_schedule(batches, autocast)  # every micro-step's forward and backward, in the schedule's order
         sum_tied_gradients(stage, embedding_group)
         grad_norm = clip_grad_norm_(stage, args.grad_clip or float("inf"), pipeline_group)
-        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        diverged, stopping = stop_request.agreed(grad_norm, model)  # one read of the device, alike on every rank
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients are views into the all-reduce buckets

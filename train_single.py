@@ -64,13 +64,13 @@ def main(argv=None):
             loss.backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        diverged, stopping = stop_request.agreed(grad_norm, model)  # one read of the device, alike on every rank
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
         if logger.due(step, val_loss):
-            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
+            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss, stop_request.expert_load)
 
         # ---- checkpoint
         if checkpoint.due(step, args) or stopping:

@@ -374,7 +374,7 @@ def main(argv=None):
         if args.sequence_parallel and parts is not None:
             allreduce_replicated_grads([(n, p.grad) for n, p in model.named_parameters()], dist.group.WORLD, device)
         grad_norm = clip_grad_norm(args.grad_clip or float("inf"))
-        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        diverged, stopping = stop_request.agreed(grad_norm, model)  # one read of the device, alike on every rank
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -212,7 +212,7 @@ def main(argv=None):
                 loss.backward()
             loss_sum += loss.detach()
         grad_norm = ddp_model.clip_grad_norm_(args.grad_clip or float("inf"))  # over the ranks' slices
-        diverged, stopping = stop_request.agreed(grad_norm)  # the step's one read of the device, alike on all ranks
+        diverged, stopping = stop_request.agreed(grad_norm, model)  # one read of the device, alike on every rank
         checkpoint.check_finite(diverged, step, loss_sum, grad_norm, args)  # a diverged step changes nothing
         optimizer.step()  # this rank's slices only
         ddp_model.gather_parameters()  # every rank's updated slices, into every rank's weights

@@ -323,14 +323,22 @@ class StopRequest:
             signal.alarm(SIGTERM_GRACE_S)  # SIGALRM's default action ends the process
         self.received.add(signal.Signals(number).name)
 
-    def agreed(self, grad_norm):
+    def agreed(self, grad_norm, model):
         """(whether the gradient norm is not finite, whether any rank has received a signal): the same answers on
-        every rank. Built on the device (torch.full, not torch.tensor, which would wait for it to copy the value)."""
+        every rank. Built on the device (torch.full, not torch.tensor, which would wait for it to copy the value).
+        A mixture of experts' loads travel with them: summed over the ranks, they balance every gpt.MoE alike."""
         received = torch.full((), float(bool(self.received)), device=grad_norm.device)
-        flags = torch.stack([(~torch.isfinite(grad_norm)).float(), received])
+        moe = [module for module in model.modules() if isinstance(module, gpt.MoE)]
+        shape = (moe[0].n_layer, len(moe[0].expert_bias)) if moe else (0, 0)
+        loads = torch.zeros(shape, device=received.device)
+        for module in moe:  # a pipeline stage holds some layers: the others' rows stay zero
+            loads[module.layer] = module.tokens_per_expert
+        flags = torch.cat([torch.stack([(~torch.isfinite(grad_norm)).float(), received]), loads.flatten()])
         if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        diverged, stopping = flags.tolist()  # the host waits here for the step's backward, once
+            dist.all_reduce(flags)  # a sum: the flags are 0 or more, the loads add up
+        for module in moe:
+            module.balance(loads[module.layer])
+        diverged, stopping, *self.expert_load = flags.tolist()  # the host waits here for the step's backward, once
         return diverged > 0, stopping > 0
 
     def stop(self, saved_step, out_dir):
@@ -554,7 +562,7 @@ class Logger:
     """Progress: the console (rank 0, or every rank with --log_all_ranks); from rank 0, metrics.jsonl and trackers."""
 
     def __init__(self, args, config, device, rank=0, world_size=1):
-        self.args, self.device, self.world_size = args, device, world_size
+        self.args, self.device, self.world_size, self.n_layer = args, device, world_size, config.n_layer
         self.writes, self.prints = rank == 0, rank == 0 or args.log_all_ranks
         self.prefix = f"[rank {rank}] " if args.log_all_ranks else ""
         with torch.device("meta"):  # the whole model's counts, whatever part of it this rank holds
@@ -589,8 +597,9 @@ class Logger:
     def due(self, step, val_loss):
         return step % self.args.log_interval == 0 or step + 1 == self.args.max_steps or val_loss is not None
 
-    def log_step(self, step, loss, lr, grad_norm, t0, val_loss=None):
-        """loss: the global batch's mean loss (a 0-d tensor); t0: perf_counter() when the step began."""
+    def log_step(self, step, loss, lr, grad_norm, t0, val_loss=None, expert_load=()):
+        """loss: the global batch's mean loss (a 0-d tensor); t0: perf_counter() when the step began; expert_load: a
+        mixture of experts' tokens per expert, layer after layer, over the global batch (StopRequest.agreed's)."""
         loss = loss.item()  # waits for the device: the step time below is real
         step_s = time.perf_counter() - t0
         tokens_per_s = self.args.global_batch * self.args.block_size / step_s
@@ -600,10 +609,15 @@ class Logger:
                   "mfu": mfu, "peak_mem_mb": memory, "step_ms": 1000 * step_s}
         if val_loss is not None:
             record["val_loss"] = val_loss
+        if expert_load:  # the busiest expert's tokens over the mean: 1 is balance, n_expert / n_expert_per_token worst
+            load = torch.tensor(expert_load).view(self.n_layer, -1)
+            record["tokens_per_expert"] = load.int().tolist()
+            record["expert_imbalance"] = (load.max(1).values / load.mean(1)).max().item()
         mfu = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
         self.print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
                    f"{tokens_per_s:,.0f} tok/s | mfu {mfu} | mem {memory:,.0f} MB | {1000 * step_s:.0f} ms"
-                   + (f" | val loss {val_loss:.4f}" if val_loss is not None else ""))
+                   + (f" | val loss {val_loss:.4f}" if val_loss is not None else "")
+                   + (f" | busiest expert {record['expert_imbalance']:.2f}x the mean" if expert_load else ""))
         if not self.writes:
             return
         # Strict JSON: a value that is not finite is null (json.dumps would write NaN, which jq and JSON.parse refuse)
