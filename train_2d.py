@@ -132,7 +132,7 @@ def main(argv=None):
 
         if logger.due(step, val_loss):
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=dp_group)  # TP peers hold the same loss
-            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
+            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss, stop_request.expert_load)
 
         # ---- checkpoint: every rank writes its shards of TP-sliced tensors; replicated ones come from TP rank 0
         if checkpoint.due(step, args) or stopping:

@@ -362,7 +362,7 @@ def main(argv=None):
 
         if logger.due(step, val_loss):
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # each rank's mean over as many tokens of its own
-            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
+            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss, stop_request.expert_load)
 
         # ---- checkpoint: every replica holds everything, so rank 0 alone writes the tensors
         if checkpoint.due(step, args) or stopping:

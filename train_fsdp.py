@@ -380,7 +380,7 @@ def main(argv=None):
 
         if logger.due(step, val_loss):
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # each rank summed only its own rows
-            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
+            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss, stop_request.expert_load)
 
         # ---- checkpoint: every rank writes the pieces its shards hold (HSDP: the first shard group; the others copy)
         if checkpoint.due(step, args) or stopping:

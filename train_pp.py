@@ -324,7 +324,7 @@ def main(argv=None):
 
         if logger.due(step, val_loss):
             dist.all_reduce(loss_sum)  # each replica's last stage summed its own rows; the other stages hold zero
-            logger.log_step(step, loss_sum / dp_size, lr, grad_norm, t0, val_loss)
+            logger.log_step(step, loss_sum / dp_size, lr, grad_norm, t0, val_loss, stop_request.expert_load)
 
         # ---- checkpoint: each stage's first replica writes its tensors; the tied weight comes from the first stage
         if checkpoint.due(step, args) or stopping:

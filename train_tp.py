@@ -380,7 +380,7 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
 
         if logger.due(step, val_loss):
-            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss)
+            logger.log_step(step, loss_sum, lr, grad_norm, t0, val_loss, stop_request.expert_load)
 
         # ---- checkpoint: every rank its slices, rank 0 the replicated tensors
         if checkpoint.due(step, args) or stopping:

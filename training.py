@@ -337,7 +337,7 @@ class StopRequest:
         if dist.is_initialized():
             dist.all_reduce(flags)  # a sum: the flags are 0 or more, the loads add up
         for module in moe:
-            module.balance(loads[module.layer])
+            module.balance(flags[2:].view(shape)[module.layer])
         diverged, stopping, *self.expert_load = flags.tolist()  # the host waits here for the step's backward, once
         return diverged > 0, stopping > 0
 
