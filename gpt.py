@@ -243,7 +243,7 @@ class MoE(nn.Module):
         chosen = torch.topk(scores + self.expert_bias, self.top_k).indices  # [tokens, top_k] expert indices
         weights = scores.gather(1, chosen)
         weights = weights / weights.sum(dim=1, keepdim=True)
-        if self.training:
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # training; not a recompute in backward
             self.tokens_per_expert += torch.bincount(chosen.flatten(), minlength=len(self.expert_bias))
         return self.run_experts(tokens, chosen, weights.type_as(x)).view_as(x)
 

@@ -34,8 +34,9 @@ def data_parallel(model, device, bucket_mb):
     # Buckets as ours: DistributedDataParallel makes its first bucket 1 MiB only when bucket_cap_mb is left at its
     # default (25); a cap passed explicitly would be its first bucket's too, one all-reduce fewer than ours
     cap = None if bucket_mb == 25 else bucket_mb
+    # broadcast_buffers=False: the only buffers, a mixture of experts' bias and loads, are alike or this rank's own
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                   bucket_cap_mb=cap, gradient_as_bucket_view=True)
+                                   bucket_cap_mb=cap, gradient_as_bucket_view=True, broadcast_buffers=False)
 
 
 class ZeroRedundancyDataParallel(DistributedDataParallel):
@@ -74,6 +75,8 @@ def materialise(model, config, args, device):
         value = initial_value(name, param.shape).to(device)
         param.copy_(distribute_tensor(value, param.device_mesh, param.placements) if isinstance(param, DTensor)
                     else value)
+    for buffer in model.buffers():  # a mixture of experts' balancing state starts at zero
+        buffer.zero_()
 
 
 def shard_units(model, mesh, args):
@@ -194,7 +197,8 @@ def pipeline_parallel(stage, index, num_stages, device, pipeline_group, dp_group
     # ScheduleGPipe the first stage's reducer has recorded every parameter twice and fails (torch 2.13);
     # static_graph=True runs but averages other gradients than train_single's (measured: grad norm off by 2%).
     replica = DistributedDataParallel(stage, device_ids=[device] if device.type == "cuda" else None,
-                                      process_group=dp_group, gradient_as_bucket_view=True, find_unused_parameters=True)
+                                      process_group=dp_group, gradient_as_bucket_view=True, find_unused_parameters=True,
+                                      broadcast_buffers=False)  # as data_parallel's
     runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
         PipelineStage(replica, index, num_stages, device, group=pipeline_group), num_micro_batches,
         loss_fn=lambda logits, targets: stage.model.loss_fn(logits.flatten(0, 1), targets.flatten()))

@@ -209,7 +209,7 @@ def main(argv=None):
 
         if logger.due(step, val_loss):
             dist.all_reduce(loss_sum)  # each last stage's TP peers hold their rows' and chunks' mean; the rest zero
-            logger.log_step(step, loss_sum / (dp * cp * tp), lr, grad_norm, t0, val_loss)
+            logger.log_step(step, loss_sum / (dp * cp * tp), lr, grad_norm, t0, val_loss, stop_request.expert_load)
 
         # ---- checkpoint: every rank its FSDP pieces (DDP: the first replica) of TP-sliced tensors; replicated ones
         # from TP rank 0

@@ -166,8 +166,7 @@ class FullyShardedDataParallel(nn.Module):
                  reshard_after_forward=True, initial_value=None, tp_boxes=None, replicate_group=None,
                  cpu_offload=False):
         super().__init__()
-        self.module, self.device = module, torch.device(device)
-        self.reshard_after_forward = reshard_after_forward
+        self.module, self.device, self.reshard_after_forward = module, torch.device(device), reshard_after_forward
         self.group, self.replicate_group = process_group or dist.group.WORLD, replicate_group
         self.gather_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         params = dict(module.named_parameters())  # without initial_value: the values they have, if not on meta
@@ -186,6 +185,8 @@ class FullyShardedDataParallel(nn.Module):
             self._parts += flat.materialise(shard, initial_value, tp_boxes or {})
             flat.take_over()
         self.shards = nn.ParameterList(flat.shard for flat in self.flats)  # the module's parameters, sharded
+        for buffer in module.to_empty(device=device).buffers():  # all it holds now (a mixture's balancing state)
+            buffer.zero_()
         # Kept gathered from forward to backward (so plan.py counts): the last unit, and one holding a tied weight (wte)
         self.keep = [index == len(holders) - 1 or any(len(param.uses) > 1 for flat in unit for param in flat.params)
                      for index, unit in enumerate(self.units)]
@@ -215,9 +216,8 @@ class FullyShardedDataParallel(nn.Module):
         if not self.keep[index] and (self.reshard_after_forward or not torch.is_grad_enabled()):
             for flat in self.units[index]:
                 flat.free()
-        # Its backward begins with the first of its outputs' gradients, hooked as FSDP2 does (wpe's comes with wte's)
         outputs = [out for out in torch.utils._pytree.tree_leaves(output) if getattr(out, "requires_grad", False)]
-        if outputs:
+        if outputs:  # its backward begins with the first output's gradient, hooked as FSDP2 does (wpe's with wte's)
             torch.autograd.graph.register_multi_grad_hook(outputs, partial(self._before_backward, index), mode="any")
 
     def _before_backward(self, index, grad):

@@ -65,6 +65,8 @@ class Stage(nn.Module):
             self.model.tie_weights()  # to_empty() gives each module its own tensor
         for name, param in self.model.named_parameters():
             param.copy_(value(name, param.shape))
+        for buffer in self.model.buffers():  # a mixture of experts' balancing state starts at zero
+            buffer.zero_()
 
     def forward(self, x, targets=None):
         """This stage's part of gpt.GPT.forward: token ids in on the first stage, the residual stream elsewhere;
@@ -270,6 +272,9 @@ def main(argv=None):
     if pp > config.n_layer:
         raise training.UsageError(f"--pp {pp} stages, but the model has {config.n_layer} layers and a stage holds "
                                   f"one at least: choose --pp {config.n_layer} or fewer")
+    if config.n_expert and args.impl == "torch":  # its extra pass would count in the experts' loads, not one device's
+        raise training.UsageError("--impl torch: torch's schedules run a first micro-batch twice (shape inference) and a "
+                                  "mixture of experts would count its tokens twice: use --impl ours")
     checkpoint_path = checkpoint.to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, device)
     pipeline_group, dp_group, embedding_group = new_groups(pp, dp)

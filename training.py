@@ -136,6 +136,9 @@ def check_tensor_parallel(config, tp, sequence_parallel):
     sizes = [("n_head", config.n_head), ("n_kv_head", config.n_kv_head), ("the MLP's width", config.mlp_hidden),
              ("the padded vocabulary", config.padded_vocab_size)]
     sizes += [("--block_size", config.block_size)] * sequence_parallel
+    if config.n_expert and tp > 1:
+        raise UsageError("--tp splits a dense MLP, not yet a mixture of experts: split its experts with train_ep.py "
+                         "--ep, or train it with DDP, ZeRO, FSDP, PP or CP")
     for what, n in sizes:
         if n % tp:
             works = [str(t) for t in range(1, config.n_kv_head + 1) if all(size % t == 0 for _, size in sizes)]
