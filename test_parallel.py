@@ -3419,7 +3419,7 @@ def _refusal(main, argv):
     ("--model", "--model gpt2 contradicts --init_from"),
     ("vocabulary", "has a vocabulary of 300, but --data"),
     ("--block_size", "--block_size 128 is longer than its n_positions 64: pass --block_size 64 or less"),
-    ("not GPT-2", "config.json has activation_function 'relu': gpt.py computes GPT-2 and Llama 3 only"),
+    ("not GPT-2", "config.json has activation_function 'relu': gpt.py computes GPT-2, Llama 3 and Mixtral only"),
     ("weights", "model.safetensors has no h.2.ln_1.weight: the weights do not match config.json"),
     ("no folder", "/nowhere': no such folder (a hub model is named name or owner/name)"),
     ("./no_such_folder", "--init_from './no_such_folder': no such folder"),
