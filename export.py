@@ -1,8 +1,8 @@
 """
 A run's checkpoint, of any layout and world size, written as a model folder in the Hugging Face format, which
-transformers' AutoModelForCausalLM and AutoTokenizer load: config.json (GPT2LMHeadModel or LlamaForCausalLM),
-model.safetensors or its shards with model.safetensors.index.json, and the run's tokenizer as tokenizer.json. The
-inverse of --init_from: hugging_face.hugging_face_box maps every parameter both ways.
+transformers' AutoModelForCausalLM and AutoTokenizer load: config.json (GPT2LMHeadModel, LlamaForCausalLM or
+MixtralForCausalLM), model.safetensors or its shards with model.safetensors.index.json, and the run's tokenizer as
+tokenizer.json. The inverse of --init_from: hugging_face.hugging_face_box maps every parameter both ways.
 
     python export.py --out_dir out/finetune --to finetuned                   # the latest checkpoint, float32
     python export.py --out_dir out/finetune --step 100 --to finetuned --dtype bfloat16 --max_shard_size 2GB
@@ -38,9 +38,9 @@ def byte_count(text):
 
 
 def hugging_face_config(config, dtype, special):
-    """config.json of our model as Hugging Face's GPT2LMHeadModel or LlamaForCausalLM: the vocabulary is the
-    tokenizer's (the padding rows are not written), the context the run trained with (--block_size); special: the
-    tokenizer's {"bos": id, "eos": id} (token_ids)."""
+    """config.json of our model as Hugging Face's GPT2LMHeadModel, LlamaForCausalLM or (with experts)
+    MixtralForCausalLM: the vocabulary is the tokenizer's (the padding rows are not written), the context the run
+    trained with (--block_size); special: the tokenizer's {"bos": id, "eos": id} (token_ids)."""
     ids = dict(bos_token_id=special["bos"], eos_token_id=special["eos"])
     if config.rope_theta is None:
         return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", activation_function="gelu_new",
@@ -59,6 +59,10 @@ def hugging_face_config(config, dtype, special):
         factor, low, high, original = config.rope_scaling
         hf["rope_scaling"] = dict(factor=factor, low_freq_factor=low, high_freq_factor=high,
                                   original_max_position_embeddings=original, rope_type="llama3")
+    if config.n_expert:  # Mixtral: Llama's blocks, each MLP n_expert experts; MixtralConfig has no bias or tp keys
+        hf = {key: value for key, value in hf.items() if key not in ("attention_bias", "mlp_bias", "pretraining_tp")}
+        hf.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=config.n_expert,
+                  num_experts_per_tok=config.n_expert_per_token, sliding_window=None, output_router_logits=False)
     return hf
 
 
@@ -124,8 +128,8 @@ def export(found, to, dtype=torch.float32, max_shard_bytes=5 * 10**9, tokenizer=
     except ValueError:
         same = False
     if not same:
-        raise training.UsageError(f"{found.path!r} holds a model that neither GPT2LMHeadModel nor LlamaForCausalLM "
-                                  f"computes ({found.meta['config']}): it cannot be exported")
+        raise training.UsageError(f"{found.path!r} holds a model that none of GPT2LMHeadModel, LlamaForCausalLM "
+                                  f"and MixtralForCausalLM computes ({found.meta['config']}): it cannot be exported")
     stored = stored_tensors(config, shapes)
     sizes = {name: math.prod(stored_shape(pieces)) * dtype.itemsize for name, pieces in stored.items()}
     prefix = "transformer." if config.rope_theta is None else ""  # GPT2LMHeadModel.save_pretrained()'s names

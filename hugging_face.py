@@ -1,9 +1,10 @@
 """
-Pretrained weights in the Hugging Face format, for --init_from: GPT-2 (GPT2LMHeadModel) and Llama 3
-(LlamaForCausalLM), from a local folder or a hub model. config.json, and model.safetensors or its shards
-(model-0000k-of-0000N.safetensors, named tensor by tensor in model.safetensors.index.json), opened by their names and
-shapes alone: each rank maps only the files that hold its parts and reads only its rows. Hugging Face's names and
-layouts are mapped to gpt.py's. Imported only under --init_from (training.load_data, initial_values).
+Pretrained weights in the Hugging Face format, for --init_from: GPT-2 (GPT2LMHeadModel), Llama 3 (LlamaForCausalLM)
+and Mixtral (MixtralForCausalLM), from a local folder or a hub model. config.json, and model.safetensors or its
+shards (model-0000k-of-0000N.safetensors, named tensor by tensor in model.safetensors.index.json), opened by their
+names and shapes alone: each rank maps only the files that hold its parts and reads only its rows, and of a mixture of
+experts only its experts. Hugging Face's names and layouts are mapped to gpt.py's. Imported only under --init_from
+(training.load_data, initial_values).
 
 Run as a script, it writes a GPT-2 of random weights in that format, a stand-in for `gpt2` where there is no network:
 
@@ -39,14 +40,19 @@ HUGGING_FACE_LINEARS = {"attn.query": ("attn.c_attn", 0), "attn.key": ("attn.c_a
 # is moved here.
 LLAMA_MODULES = {"ln_1": "input_layernorm", "attn.query": "self_attn.q_proj", "attn.key": "self_attn.k_proj",
                  "attn.value": "self_attn.v_proj", "attn.proj": "self_attn.o_proj", "ln_2": "post_attention_layernorm",
-                 "mlp.gate": "mlp.gate_proj", "mlp.fc": "mlp.up_proj", "mlp.proj": "mlp.down_proj"}
+                 "mlp.gate": "mlp.gate_proj", "mlp.fc": "mlp.up_proj", "mlp.proj": "mlp.down_proj",
+                 "mlp.router": "block_sparse_moe.gate"}
+# Mixtral's blocks are Llama's with the MLP a mixture of experts: blocks.i.mlp.experts.e.<ours> is
+# model.layers.i.block_sparse_moe.experts.e.<theirs>, each expert an MLP of its own file entries, so a rank that holds
+# some experts reads theirs alone. Its expert computes w2(silu(w1(x)) * w3(x)), ours proj(silu(gate(x)) * fc(x)).
+MIXTRAL_EXPERT = {"gate": "w1", "fc": "w3", "proj": "w2"}
 
 
 def config_from_hugging_face(hf, block_size, dropout):
     """The GPTConfig of a Hugging Face config.json (a dict), GPT-2's or Llama's, with a context of block_size <= its
     n_positions (a shorter one keeps the first positions' embeddings). Refuses a config this model would not compute
     as GPT-2 does."""
-    if hf.get("model_type") == "llama":
+    if hf.get("model_type") in ("llama", "mixtral"):
         return llama_config(hf, block_size, dropout)
     missing = [key for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size") if key not in hf]
     if missing:
@@ -56,8 +62,8 @@ def config_from_hugging_face(hf, block_size, dropout):
                "scale_attn_by_inverse_layer_idx": (False,), "tie_word_embeddings": (True,)}
     unlike = [f"{key} {hf[key]!r}" for key, values in allowed.items() if key in hf and hf[key] not in values]
     if unlike:
-        raise ValueError(f"config.json has {', '.join(unlike)}: gpt.py computes GPT-2 and Llama 3 only; use a GPT-2 "
-                         "or Llama 3 checkpoint")
+        raise ValueError(f"config.json has {', '.join(unlike)}: gpt.py computes GPT-2, Llama 3 and Mixtral only; use a "
+                         "GPT-2, Llama 3 or Mixtral checkpoint")
     if block_size > hf["n_positions"]:
         raise ValueError(f"--block_size {block_size} is longer than its n_positions {hf['n_positions']}: "
                          f"pass --block_size {hf['n_positions']} or less")
@@ -68,23 +74,31 @@ def config_from_hugging_face(hf, block_size, dropout):
 
 
 def llama_config(hf, block_size, dropout):
-    """The GPTConfig of a LlamaForCausalLM's config.json, its absent keys taking LlamaConfig's defaults. The rotary
-    settings are rope_theta and rope_scaling at the top level, as the hub's Llama 3.1 and 3.2 repositories write them,
-    or one rope_parameters entry, as newer transformers writes it."""
+    """The GPTConfig of a LlamaForCausalLM's or MixtralForCausalLM's config.json, its absent keys taking LlamaConfig's
+    or MixtralConfig's defaults. The rotary settings are rope_theta and rope_scaling at the top level, as the hub's
+    Llama 3.1 and 3.2 repositories write them, or one rope_parameters entry, as newer transformers writes it. Mixtral
+    is Llama with num_local_experts experts a block, num_experts_per_tok of them run by each token, each
+    intermediate_size wide."""
+    mixtral = hf["model_type"] == "mixtral"
     keys = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "max_position_embeddings",
-            "vocab_size")
+            "vocab_size") + ("num_local_experts", "num_experts_per_tok") * mixtral
     missing = [key for key in keys if key not in hf]
     if missing:
-        raise ValueError(f"config.json has no {', '.join(missing)}: it is not a Llama config")
-    rope = hf.get("rope_parameters") or dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", 10000.0))
+        raise ValueError(f"config.json has no {', '.join(missing)}: it is not a {hf['model_type'].title()} config")
+    theta = 1e6 if mixtral else 10000.0  # MixtralConfig's default, LlamaConfig's
+    rope = hf.get("rope_parameters") or dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", theta))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     allowed = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,), "pretraining_tp": (1,),
-               "head_dim": (hf["hidden_size"] // hf["num_attention_heads"],)}
+               "head_dim": (hf["hidden_size"] // hf["num_attention_heads"], None)}  # None: that one (Mixtral's)
     unlike = [f"{key} {hf[key]!r}" for key, values in allowed.items() if key in hf and hf[key] not in values]
     unlike += [f"rope_type {rope_type!r}"] * (rope_type not in ("default", "llama3"))
     if unlike:
         raise ValueError(f"config.json has {', '.join(unlike)}: gpt.py computes Llama 3 (SiLU, no biases, head_dim = "
-                         "hidden_size / num_attention_heads, rope_type default or llama3); use a Llama 3 checkpoint")
+                         "hidden_size / num_attention_heads, rope_type default or llama3); use a Llama 3 or Mixtral "
+                         "checkpoint")
+    if mixtral and (hf.get("sliding_window") or block_size) < block_size:  # null: the whole context, as Mixtral's
+        raise ValueError(f"--block_size {block_size} is longer than its sliding_window {hf['sliding_window']}, and "
+                         f"gpt.py attends to the whole context: pass --block_size {hf['sliding_window']} or less")
     if block_size > hf["max_position_embeddings"]:
         raise ValueError(f"--block_size {block_size} is longer than its max_position_embeddings "
                          f"{hf['max_position_embeddings']}: pass --block_size {hf['max_position_embeddings']} or less")
@@ -92,9 +106,11 @@ def llama_config(hf, block_size, dropout):
                int(rope["original_max_position_embeddings"])) if rope_type == "llama3" else None
     config = gpt.GPTConfig(block_size=block_size, vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"],
                            n_head=hf["num_attention_heads"], n_embd=hf["hidden_size"], dropout=dropout, bias=False,
-                           n_kv_head=hf.get("num_key_value_heads"), mlp_hidden=hf["intermediate_size"], swiglu=True,
-                           rms_norm=True, norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(rope["rope_theta"]),
-                           rope_scaling=scaling, tie_embeddings=hf.get("tie_word_embeddings", False))
+                           n_kv_head=hf.get("num_key_value_heads", 8 if mixtral else None), swiglu=True, rms_norm=True,
+                           norm_eps=hf.get("rms_norm_eps", 1e-5 if mixtral else 1e-6), rope_scaling=scaling,
+                           mlp_hidden=hf["intermediate_size"], rope_theta=float(rope["rope_theta"]),
+                           tie_embeddings=hf.get("tie_word_embeddings", False), n_expert=hf.get("num_local_experts", 0),
+                           n_expert_per_token=hf.get("num_experts_per_tok", 2))
     gpt.check_config(config)
     return config
 
@@ -103,8 +119,8 @@ def hugging_face_box(name, box, config):
     """Where the box of parameter `name` lies in a Hugging Face checkpoint: (the stored tensor's name, the box of it
     that holds ours, whether ours is that box transposed). wte and an untied LM head store the tokenizer's vocabulary
     only, so the box stops at vocab_size (our padding rows are not stored); a tied LM head is wte and never read.
-    A model with rotary positions is a Llama (llama_name). GPT-2's blocks.i is h.i; query, key and value are thirds
-    of c_attn's columns."""
+    A model with rotary positions is a Llama or a Mixtral (llama_name). GPT-2's blocks.i is h.i; query, key and value
+    are thirds of c_attn's columns."""
     if name in ("wte.weight", "lm_head.weight"):
         (start, stop), columns = box
         box = ((min(start, config.vocab_size), min(stop, config.vocab_size)), columns)
@@ -123,11 +139,14 @@ def hugging_face_box(name, box, config):
 
 
 def llama_name(name):
-    """A LlamaForCausalLM's name for our parameter `name`."""
+    """A LlamaForCausalLM's or MixtralForCausalLM's name for our parameter `name`."""
     if not name.startswith("blocks."):
         return {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}.get(name, name)
     _, layer, rest = name.split(".", 2)
     module, _, kind = rest.rpartition(".")
+    if module.startswith("mlp.experts."):  # blocks.i.mlp.experts.e.gate
+        _, _, expert, linear = module.split(".")
+        return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{MIXTRAL_EXPERT[linear]}.{kind}"
     return f"model.layers.{layer}.{LLAMA_MODULES[module]}.{kind}"
 
 
@@ -232,7 +251,7 @@ def pretrained_config(args, meta):
         raise UsageError(f"{source} has a vocabulary of {config.vocab_size}, but --data {args.data!r} is tokenized "
                          f"with {meta['tokenizer']} ({meta['vocab_size']}): prepare the data with the checkpoint's "
                          "tokenizer (prepare_data.py --tokenizer gpt2 for GPT-2, --tokenizer FOLDER/original/"
-                         "tokenizer.model for Llama 3)")
+                         "tokenizer.model for Llama 3" + "; none yet for Mixtral's" * bool(config.n_expert) + ")")
     with torch.device("meta"):
         shapes = {name: param.shape for name, param in gpt.GPT(config).named_parameters()}
     for name, shape in shapes.items():

@@ -3419,7 +3419,7 @@ def _refusal(main, argv):
     ("--model", "--model gpt2 contradicts --init_from"),
     ("vocabulary", "has a vocabulary of 300, but --data"),
     ("--block_size", "--block_size 128 is longer than its n_positions 64: pass --block_size 64 or less"),
-    ("not GPT-2", "config.json has activation_function 'relu': gpt.py computes GPT-2 and Llama 3 only"),
+    ("not GPT-2", "config.json has activation_function 'relu': gpt.py computes GPT-2, Llama 3 and Mixtral only"),
     ("weights", "model.safetensors has no h.2.ln_1.weight: the weights do not match config.json"),
     ("no folder", "/nowhere': no such folder (a hub model is named name or owner/name)"),
     ("./no_such_folder", "--init_from './no_such_folder': no such folder"),
@@ -7175,3 +7175,267 @@ def test_4d_bench_measures_what_the_formula_says(corpus, tmp_path):
     assert row["comm_bytes"] == pytest.approx(as_bench_counts(terms, {"world": 8}), abs=0.5), terms
     table = bench.strategies(argparse.Namespace(global_batch=8, bucket_mb=25, sequence_parallel=True, **vars(args)))
     assert table["4d"].formula() == terms and row["state_bytes"] == table["4d"].states()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --init_from a Mixtral (MixtralForCausalLM): Llama's blocks, each MLP a mixture of experts whose every expert is a
+# tensor of its own name in the files, so a rank reads the experts it holds and no other; export.py writes it back.
+
+
+def hugging_face_mixtral(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=32, n_expert=8,
+                         vocab_size=256, seed=0):
+    """The tensors of a random Mixtral as MixtralForCausalLM stores them, by stored name, in bfloat16 as the hub's
+    files hold them: Llama's attention and norms (gains random around 1), block_sparse_moe.gate the router [n_expert,
+    hidden], each expert's w1 (gate), w3 (up) and w2 (down), an untied lm_head. The router's weights are 10 times the
+    others', so that a token's experts are chosen by clear margins (float32 and float64 pick the same)."""
+    kv = n_kv_head * n_embd // n_head
+    shapes = {"model.embed_tokens.weight": (vocab_size, n_embd)}
+    for i in range(n_layer):
+        layer = f"model.layers.{i}."
+        shapes.update({layer + "input_layernorm.weight": (n_embd,), layer + "self_attn.q_proj.weight": (n_embd, n_embd),
+                       layer + "self_attn.k_proj.weight": (kv, n_embd), layer + "self_attn.v_proj.weight": (kv, n_embd),
+                       layer + "self_attn.o_proj.weight": (n_embd, n_embd),
+                       layer + "post_attention_layernorm.weight": (n_embd,),
+                       layer + "block_sparse_moe.gate.weight": (n_expert, n_embd)})
+        for e in range(n_expert):
+            expert = f"{layer}block_sparse_moe.experts.{e}."
+            shapes.update({expert + "w1.weight": (intermediate_size, n_embd), expert + "w2.weight": (
+                n_embd, intermediate_size), expert + "w3.weight": (intermediate_size, n_embd)})
+    shapes.update({"model.norm.weight": (n_embd,), "lm_head.weight": (vocab_size, n_embd)})
+    generator = torch.Generator().manual_seed(seed)
+    scale = lambda name: 1.0 if name.endswith("moe.gate.weight") else 0.1  # noqa: E731
+    return {name: (float(name.endswith("norm.weight")) + scale(name) * torch.randn(shape, generator=generator))
+            .bfloat16() for name, shape in shapes.items()}
+
+
+def write_hugging_face_mixtral(folder, tensors, n_head=4, n_kv_head=2, files=3, **config):
+    """config.json as the hub's Mixtral-8x7B-v0.1 writes it (its shapes aside), and the tensors in `files` safetensors
+    shards with model.safetensors.index.json, consecutive tensors a file as save_pretrained() cuts them (so a layer's
+    experts may lie in two files)."""
+    n_layer = sum(name.endswith("input_layernorm.weight") for name in tensors)
+    vocab_size, n_embd = tensors["model.embed_tokens.weight"].shape
+    n_expert, intermediate_size = (sum(name.startswith("model.layers.0.") and name.endswith("w1.weight")
+                                       for name in tensors), len(tensors["model.layers.0.block_sparse_moe.experts.0.w1.weight"]))
+    hf = dict(architectures=["MixtralForCausalLM"], attention_dropout=0.0, bos_token_id=1, eos_token_id=2,
+              hidden_act="silu", hidden_size=n_embd, initializer_range=0.02, intermediate_size=intermediate_size,
+              max_position_embeddings=64, model_type="mixtral", num_attention_heads=n_head, num_experts_per_tok=2,
+              num_hidden_layers=n_layer, num_key_value_heads=n_kv_head, num_local_experts=n_expert,
+              output_router_logits=False, rms_norm_eps=1e-5, rope_theta=1000000.0, router_aux_loss_coef=0.02,
+              sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True,
+              vocab_size=vocab_size)
+    hf.update(config)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    names = list(tensors)
+    weight_map = {name: f"model-{k * files // len(names) + 1:05d}-of-{files:05d}.safetensors"
+                  for k, name in enumerate(names)}
+    for file in sorted(set(weight_map.values())):
+        save_file({name: tensors[name] for name in names if weight_map[name] == file}, os.path.join(folder, file),
+                  metadata={"format": "pt"})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(2 * t.numel() for t in tensors.values())}, "weight_map": weight_map},
+                  f, indent=2)
+    return str(folder)
+
+
+def hugging_face_mixtral_logits(tensors, hf, idx):
+    """MixtralForCausalLM's forward written from transformers' modeling_mixtral.py on its own tensors and config.json,
+    in float64: Llama's attention (RoPE with rope_theta's default frequencies, repeat_kv), then the sparse MLP: the
+    router's softmax over the experts, the top num_experts_per_tok of it renormalised to sum to 1, and each expert's
+    w2(silu(w1(x)) · w3(x)) weighted by it (here every expert runs on every token, weighted 0 where not chosen)."""
+    t = {name: tensor.double() for name, tensor in tensors.items()}
+    (B, T), H, K, C = idx.shape, hf["num_attention_heads"], hf["num_key_value_heads"], hf["hidden_size"]
+    D, E = C // H, hf["num_local_experts"]
+    freqs = torch.arange(T).float()[:, None] * hugging_face_rope_frequencies(hf["rope_theta"], D)[None]
+    cos, sin = torch.cat([freqs, freqs], dim=-1).cos().double(), torch.cat([freqs, freqs], dim=-1).sin().double()
+    rotate_half = lambda x: torch.cat([-x[..., D // 2:], x[..., :D // 2]], dim=-1)  # noqa: E731
+    rms_norm = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + hf["rms_norm_eps"]) * w  # noqa: E731
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    x = t["model.embed_tokens.weight"][idx]
+    for i in range(hf["num_hidden_layers"]):
+        w = {name[len(f"model.layers.{i}."):]: tensor for name, tensor in t.items()
+             if name.startswith(f"model.layers.{i}.")}
+        h = rms_norm(x, w["input_layernorm.weight"])
+        q, k, v = ((h @ w[f"self_attn.{p}_proj.weight"].t()).view(B, T, -1, D).transpose(1, 2) for p in "qkv")
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = (z[:, :, None].expand(B, K, H // K, T, D).reshape(B, H, T, D) for z in (k, v))  # repeat_kv
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(future, -math.inf)
+        x = x + (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C) @ w["self_attn.o_proj.weight"].t()
+        h = rms_norm(x, w["post_attention_layernorm.weight"])
+        routing = (h @ w["block_sparse_moe.gate.weight"].t()).softmax(-1)
+        top, chosen = routing.topk(hf["num_experts_per_tok"], dim=-1)
+        weights = torch.zeros_like(routing).scatter(-1, chosen, top / top.sum(-1, keepdim=True))
+        for e in range(E):
+            expert = lambda name: w[f"block_sparse_moe.experts.{e}.{name}.weight"].t()  # noqa: E731
+            x = x + weights[..., e:e + 1] * ((F.silu(h @ expert("w1")) * (h @ expert("w3"))) @ expert("w2"))
+    return rms_norm(x, t["model.norm.weight"]) @ t["lm_head.weight"].t()
+
+
+MIXTRAL_STORED = {"mlp.router": "block_sparse_moe.gate", "gate": "w1", "fc": "w3", "proj": "w2"}
+
+
+def mixtral_stored_name(name):
+    """MixtralForCausalLM's name of our parameter `name`, by the definitions of the two models: Llama's, but the MLP,
+    blocks.i.mlp.router (block_sparse_moe.gate) and blocks.i.mlp.experts.e.{gate, fc, proj} (w1, w3, w2)."""
+    if ".mlp.experts." in name:
+        block, expert = name.split(".mlp.experts.")
+        e, linear, _ = expert.split(".")
+        return f"model.layers.{block.split('.')[1]}.block_sparse_moe.experts.{e}.{MIXTRAL_STORED[linear]}.weight"
+    if ".mlp.router." in name:
+        return f"model.layers.{name.split('.')[1]}.block_sparse_moe.gate.weight"
+    return llama_stored_name(name)
+
+
+def gpt_weights_from_hugging_face_mixtral(tensors, config):
+    """Our parameters, by gpt.py name, from Mixtral's stored tensors, apart from hugging_face.py's mapping, in
+    float32: the same [out, in] matrices under other names, embed_tokens and lm_head padded with zero rows."""
+    with torch.device("meta"):
+        names = [name for name, _ in gpt.GPT(config).named_parameters()]
+    pad = lambda t: F.pad(t, (0, 0, 0, config.padded_vocab_size - config.vocab_size)) if t.dim() == 2 and len(
+        t) == config.vocab_size else t  # noqa: E731
+    return {name: pad(tensors[mixtral_stored_name(name)].float()) for name in names}
+
+
+@pytest.fixture(scope="module")
+def mixtral_like(tmp_path_factory):
+    """(folder, tensors, config.json): a random Mixtral with the default corpus' vocabulary (256 byte tokens), 2 layers
+    of width 64, 4 query heads sharing 2 key/value heads, 8 experts of width 32, 2 a token, in 3 safetensors shards
+    and an index; under torchrun rank 0 writes it into a folder every rank names alike."""
+    tensors = hugging_face_mixtral()
+    folder = _same_on_every_rank(tmp_path_factory.mktemp("mixtral_like"))
+    if LAUNCHED_WORLD == 1 or dist.get_rank() == 0:
+        write_hugging_face_mixtral(folder, tensors)
+    if LAUNCHED_WORLD > 1:
+        dist.barrier()
+    return str(folder), tensors, json.load(open(os.path.join(folder, "config.json")))
+
+
+def test_hugging_face_mixtral_loads_and_computes_mixtrals_logits(mixtral_like):
+    """A Mixtral in three safetensors shards gives our parameters the stored tensors (by the two models' definitions)
+    and computes MixtralForCausalLM's logits and loss (its forward written above, in float64) within float32 noise
+    (measured: 9.7e-6 on logits); one read a parameter, each counted as it leaves its file, exactly the parameters'
+    elements stored there. (Layouts that split a Mixtral read their experts alone: the test after this one.)"""
+    folder, tensors, hf = mixtral_like
+    config = hugging_face.config_from_hugging_face(hf, 32, 0.0)
+    assert (config.n_expert, config.n_expert_per_token, config.mlp_hidden, config.rope_theta) == (8, 2, 32, 1e6)
+    value = training.initial_values(config, 0, folder)
+    for name, expected in gpt_weights_from_hugging_face_mixtral(tensors, config).items():
+        assert torch.equal(value(name, expected.shape), expected), name
+    idx = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    reference = hugging_face_mixtral_logits(tensors, hf, idx[:, :-1])
+    reference_loss = F.cross_entropy(reference.flatten(0, 1), idx[:, 1:].flatten()).item()
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    (logits, loss, reads, parts, _, loaded), = run_distributed(1, _load_and_run, "single", folder, idx)
+    print(f"mixtral: logits differ by {np.abs(logits - reference.numpy()).max():.1e}; read {loaded} elements")
+    np.testing.assert_allclose(logits, reference.numpy(), rtol=0, atol=LOGITS_TOLERANCE)
+    assert loss == pytest.approx(reference_loss, rel=0, abs=LOGITS_TOLERANCE)
+    assert len(reads) == len(parts)
+    stored = collections.Counter()
+    for name, tensor in tensors.items():
+        stored[weight_map[name]] += tensor.numel()
+    assert loaded == stored
+
+
+def test_a_rank_holding_experts_2_and_3_reads_only_theirs(mixtral_like, monkeypatch):
+    """A rank that holds experts 2 and 3 of every layer (as expert parallelism over 4 ranks places them) asks for
+    their parameters alone and reads exactly their elements, counted as they leave the files: from each shard those
+    of experts 2 and 3 stored there, and it opens no shard that holds none (the middle one). A box of one (rows 8 to
+    24 of expert 3's gate, as a tensor-parallel expert would ask) reads those rows alone."""
+    folder, tensors, hf = mixtral_like
+    config = hugging_face.config_from_hugging_face(hf, 32, 0.0)
+    loaded, real_open = collections.Counter(), hugging_face.safe_open
+    monkeypatch.setattr(hugging_face, "safe_open", lambda path, *args, **kwargs: CountingSafetensorsFile(
+        real_open(path, *args, **kwargs), loaded, os.path.basename(path)))
+    value = training.initial_values(config, 0, folder)
+    expected = gpt_weights_from_hugging_face_mixtral(tensors, config)
+    mine = [name for name in expected if re.search(r"\.experts\.[23]\.", name)]
+    for name in mine:
+        assert torch.equal(value(name, expected[name].shape), expected[name]), name
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    theirs = collections.Counter()
+    for name in mine:
+        theirs[weight_map[mixtral_stored_name(name)]] += tensors[mixtral_stored_name(name)].numel()
+    print(f"experts 2 and 3 of {config.n_layer} layers: read {dict(loaded)} elements of "
+          f"{sum(t.numel() for t in tensors.values())}")
+    assert len(mine) == 2 * 3 * config.n_layer and loaded.keys() == theirs.keys() and loaded == theirs
+    assert len(theirs) == 2  # the first and last shards: the middle one holds neither layer's experts 2 and 3
+    loaded.clear()
+    gate = "blocks.1.mlp.experts.3.gate.weight"
+    assert torch.equal(value(gate, expected[gate].shape, ((8, 24), (0, config.n_embd))), expected[gate][8:24])
+    assert sum(loaded.values()) == 16 * config.n_embd
+
+
+NO_TRANSFORMERS_MIXTRAL = ("transformers is not installed (CI leaves it out): `pip install transformers` to hold "
+                           "--init_from a Mixtral to MixtralForCausalLM's logits")
+
+
+def test_transformers_computes_our_mixtral_logits(mixtral_like):
+    """MixtralForCausalLM.from_pretrained on the sharded Mixtral folder, in float32, and our model loaded from it by
+    --init_from's reader give the same logits within float32 noise."""
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS_MIXTRAL)
+    folder, tensors, hf = mixtral_like
+    theirs = transformers.MixtralForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    config = hugging_face.config_from_hugging_face(hf, 32, 0.0)
+    ours = _model_from(config, lambda model: model.init_weights(0, training.initial_values(config, 0, folder)))
+    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        difference = (theirs(idx).logits - ours(idx)[..., :256]).abs().max().item()
+    print(f"mixtral: transformers' logits and ours differ by {difference:.1e}")
+    assert difference < LOGITS_TOLERANCE
+
+
+def test_train_single_starts_from_a_mixtral_and_export_writes_it_back(corpus, tmp_path, mixtral_like):
+    """train_single.py --init_from the sharded Mixtral folder: one step at learning rate 0 saves exactly the stored
+    tensors, and the loss logged at step 0 is MixtralForCausalLM's on its batch. export.py writes that checkpoint back
+    as the folder held it: the same names, shapes and values (float32 here, bfloat16 there), and a config.json of
+    MixtralForCausalLM that reads back as the run's model."""
+    folder, tensors, hf = mixtral_like
+    train_single.main(flags(corpus, tmp_path / "run", model=None, init_from=folder, max_steps=1, lr=0, min_lr=0,
+                            global_batch=4, micro_batch=4))
+    run = read_run(tmp_path / "run")
+    config = hugging_face.config_from_hugging_face(hf, 32, 0.0)
+    expected = gpt_weights_from_hugging_face_mixtral(tensors, config)
+    assert run.weights.keys() == expected.keys()
+    for name, weight in expected.items():
+        np.testing.assert_array_equal(run.weights[name], weight.numpy(), err_msg=name)
+    x, y = training.BatchSampler(os.path.join(corpus, "train.bin"), 32, 4, 4, 0, 1, 1234, torch.device("cpu")).get(0, 0)
+    reference = F.cross_entropy(hugging_face_mixtral_logits(tensors, hf, x).flatten(0, 1), y.flatten()).item()
+    assert run.losses[0] == pytest.approx(reference, rel=0, abs=LOGITS_TOLERANCE)
+    export.export(checkpoint.Checkpoint(checkpoint.latest(tmp_path / "run")), str(tmp_path / "exported"))
+    exported = exported_tensors(tmp_path / "exported")
+    assert exported.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(exported[name], tensor.float()), name
+    with open(tmp_path / "exported" / "config.json") as f:
+        written = json.load(f)
+    assert written["architectures"] == ["MixtralForCausalLM"]
+    assert hugging_face.config_from_hugging_face(written, 32, 0.0) == config
+
+
+def test_mixtral_config_json_gives_the_preset():
+    """config.json of Mixtral 8x7B (the hub's mistralai/Mixtral-8x7B-v0.1: 32 layers of 4096, 8 experts of 14336, 2
+    a token, rope_theta 1e6, no sliding window) is the mixtral-8x7b preset's config, and export.py writes the
+    preset's back with the same values under the keys both hold, but the context (the run's --block_size). A
+    sliding_window shorter than --block_size, and a Mixtral config.json without its experts, are refused saying what
+    to change."""
+    hub = {"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+           "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+           "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+           "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+           "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+           "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000}
+    preset = gpt.make_config("mixtral-8x7b", 32000, 4096)
+    assert hugging_face.config_from_hugging_face(hub, 4096, 0.0) == preset
+    written = export.hugging_face_config(preset, "bfloat16", dict(bos=1, eos=2))
+    assert {key: value for key, value in written.items() if key in hub} == {
+        key: value for key, value in hub.items() if key in written and key != "max_position_embeddings"} | {
+        "max_position_embeddings": 4096}
+    with pytest.raises(ValueError, match="longer than its sliding_window 1024, and gpt.py attends to the whole "
+                                         "context: pass --block_size 1024 or less"):
+        hugging_face.config_from_hugging_face(dict(hub, sliding_window=1024), 4096, 0.0)
+    with pytest.raises(ValueError, match="config.json has no num_local_experts: it is not a Mixtral config"):
+        hugging_face.config_from_hugging_face({k: v for k, v in hub.items() if k != "num_local_experts"}, 4096, 0.0)
