@@ -1181,6 +1181,8 @@ def test_bad_flags_are_one_line_errors(corpus, tmp_path, capsys, main, bad, mess
     (train_zero.main, 2, dict(stage=2, impl="torch"), "--impl torch has no --stage 2: PyTorch has no ZeRO-2"),
     (train_tp.main, 2, dict(tp=4), "--tp 4 with 2 ranks: train_tp.py is tensor-parallel only"),
     (train_2d.main, 4, dict(tp=2, dp=3), "--tp 2 x --dp 3 = 6 ranks, but the world has 4: choose --tp and --dp"),
+    (train_tp.main, 2, dict(model="moe-tiny"), "--tp splits a dense MLP, not yet a mixture of experts: split its"),
+    (train_pp.main, 2, dict(model="moe-tiny", pp=2, impl="torch"), "mixture of experts would count its tokens twice"),
 ])
 def test_layout_errors_come_before_any_collective(corpus, tmp_path, capsys, monkeypatch, main, world_size, bad,
                                                   message):
@@ -4938,6 +4940,79 @@ def test_a_strategy_core_needs_torch_and_gpt_alone(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
 
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ---- #44 a mixture of experts: gpt.MoE, its balancing, and every layout that trains one
+
+
+def test_moe_computes_each_tokens_chosen_experts_and_balances_toward_the_mean():
+    """gpt.MoE against the definition written token by token: the router's softmax, the top n_expert_per_token by
+    score + bias, their weights renormalised, their outputs summed; an expert no token chose still gets a (zero)
+    gradient; balance() moves the bias by balance_rate against each expert's excess load, and resets the count."""
+    torch.manual_seed(0)
+    config = gpt.make_config("moe-tiny", 256, 16)
+    moe = gpt.MoE(config, layer=0)
+    nn.init.normal_(moe.router.weight, std=0.5)
+    moe.expert_bias.copy_(torch.linspace(-0.02, 0.02, config.n_expert))
+    x = torch.randn(2, 16, config.n_embd)
+    y = moe(x)
+    tokens = x.flatten(0, 1)
+    scores = F.softmax(tokens @ moe.router.weight.T, dim=-1)
+    expected, counts = torch.zeros_like(tokens), torch.zeros(config.n_expert)
+    for t in range(len(tokens)):
+        chosen = torch.topk(scores[t] + moe.expert_bias, config.n_expert_per_token).indices
+        weights = scores[t, chosen] / scores[t, chosen].sum()
+        expected[t] = sum(w * moe.experts[e](tokens[t]) for w, e in zip(weights, chosen.tolist()))
+        counts[chosen] += 1
+    torch.testing.assert_close(y.flatten(0, 1), expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(moe.tokens_per_expert, counts) and counts.sum() == 32 * config.n_expert_per_token
+    with torch.no_grad():  # an evaluation counts nothing
+        moe(x)
+    assert torch.equal(moe.tokens_per_expert, counts)
+    idle = int(counts.argmin())
+    moe.expert_bias[idle] = -1  # no token chooses it now: scores are at most 1
+    moe.tokens_per_expert.zero_()
+    moe(x).sum().backward()
+    assert moe.tokens_per_expert[idle] == 0
+    assert all(p.grad is not None and not p.grad.any() for p in moe.experts[idle].parameters())
+    load = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6])  # mean 2: expert 0 and 7 above it, the others below
+    bias = moe.expert_bias.clone()
+    moe.balance(load)
+    expected_bias = bias + config.balance_rate * torch.tensor([-1.0, 1, 1, 1, 1, 1, 1, -1])
+    torch.testing.assert_close(moe.expert_bias, expected_bias)
+    assert not moe.tokens_per_expert.any()
+
+
+def tokens_per_expert(out_dir):
+    """The log's tokens per expert, layer by layer, of every step of a run: which experts its tokens went to."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [record["tokens_per_expert"] for record in map(json.loads, f) if "loss" in record]
+
+
+MOE_LAYOUTS = {  # script, ranks, flags: every layout that trains a mixture of experts whole (train_ep.py splits it)
+    "ddp": (train_ddp.main, 2, {}),
+    "fsdp-pp": (train_4d.main, 4, dict(pp=2)),  # 2 FSDP ranks x 2 pipeline stages: one run, both strategies
+    "cp": (train_cp.main, 2, dict(cp=2, cp_impl="ring")),
+}
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_a_mixture_of_experts_trains_alike_in_every_layout(corpus, tmp_path_factory, layout):
+    """moe-tiny (8 experts, 2 a token) over 6 steps, with the balancing bias moving after each: the same losses,
+    gradient norms and weights as train_single.py, and every step's tokens sent to the same experts (the loads summed
+    over the ranks: one rank's alone would move the biases apart and the routing with them)."""
+    main, world_size, extra = MOE_LAYOUTS[layout]
+    reference_dir = tmp_path_factory.mktemp("moe-single")
+    with one_thread():
+        if not _single_runs.get("moe"):
+            train_single.main(flags(corpus, reference_dir, model="moe-tiny"))
+            _single_runs["moe"] = read_run(reference_dir), tokens_per_expert(reference_dir)
+    reference, reference_tokens = _single_runs["moe"]
+    out_dir = shared_folder(tmp_path_factory, layout)
+    run_distributed(world_size, main, flags(corpus, out_dir, model="moe-tiny", **extra))
+    assert tokens_per_expert(out_dir) == reference_tokens
+    assert_runs_match(read_run(str(out_dir)), reference)
 
 
 # ------------------------------------------------------------------------------------------------------------
