@@ -65,6 +65,7 @@ import prepare_data  # noqa: E402
 import sample  # noqa: E402
 import train_cp  # noqa: E402
 import train_ddp  # noqa: E402
+import train_ep  # noqa: E402
 import train_fsdp  # noqa: E402
 import train_pp  # noqa: E402
 import train_single  # noqa: E402
@@ -7175,3 +7176,103 @@ def test_4d_bench_measures_what_the_formula_says(corpus, tmp_path):
     assert row["comm_bytes"] == pytest.approx(as_bench_counts(terms, {"world": 8}), abs=0.5), terms
     table = bench.strategies(argparse.Namespace(global_batch=8, bucket_mb=25, sequence_parallel=True, **vars(args)))
     assert table["4d"].formula() == terms and row["state_bytes"] == table["4d"].states()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ---- #44 train_ep.py: expert parallel, tokens dispatched to their experts' ranks and combined back by all-to-all
+
+_ep_runs = {}
+
+
+def _moe_trained(main, argv, hot_experts=(), balance_rate=None):
+    """main(argv) on this rank, every MoE's balancing bias of `hot_experts` set to 100 after init (their scores then
+    always win: the router sends every token to them), and its balance_rate set if given; returns what the rank
+    printed."""
+    real_init_weights = gpt.GPT.init_weights
+
+    def init_weights(self, *args):
+        real_init_weights(self, *args)
+        for module in self.modules():
+            if isinstance(module, gpt.MoE):
+                module.expert_bias[list(hot_experts)] = 100.0
+                module.balance_rate = module.balance_rate if balance_rate is None else balance_rate
+
+    gpt.GPT.init_weights = init_weights
+    try:
+        return _printed(main, argv)
+    finally:
+        gpt.GPT.init_weights = real_init_weights
+
+
+MOE_WEIGHT_TOLERANCE = 2e-4
+"""moe-tiny's untied wte, whose rows of rare bytes AdamW steps on gradients of rounding noise, moves by 5.0e-5 when
+train_single.py alone sums its gradients in another order (micro batch 1 instead of 2; 2.0e-5 at 4): WEIGHT_TOLERANCE
+itself. Three layouts in one run (expert parallel 2, 2 x 2, one device): 7.6e-5 on wte, 1.4e-5 elsewhere."""
+
+
+def moe_run(corpus, tmp_path_factory, ranks, hot_experts=(), balance_rate=None, **overrides):
+    """train_ep.py on `ranks` ranks (train_single.py where ranks is 0) on moe-tiny, once per distinct flags per
+    session: (read_run's result, every logged step's tokens_per_expert and expert_imbalance, what rank 0 printed)."""
+    key = (ranks, hot_experts, balance_rate, tuple(sorted(overrides.items())))
+    if key not in _ep_runs:
+        out_dir = shared_folder(tmp_path_factory, "ep")
+        argv = flags(corpus, out_dir, **{"model": "moe-tiny", **overrides})
+        if ranks:
+            printed = run_distributed(ranks, _moe_trained, train_ep.main, argv, hot_experts, balance_rate)[0]
+        else:
+            with one_thread():
+                printed = _moe_trained(train_single.main, argv, hot_experts, balance_rate)
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            records = {r["step"]: r for r in map(json.loads, f) if "loss" in r}  # a resumed step: its last try
+        loads = [records[s]["tokens_per_expert"] for s in sorted(records)]
+        _ep_runs[key] = read_run(str(out_dir)), loads, [records[s]["expert_imbalance"] for s in sorted(records)], printed
+    return _ep_runs[key]
+
+
+@pytest.mark.parametrize("ep, dp, dtype", [(2, 1, "float32"), (4, 1, "float32"), (2, 2, "float32"),
+                                           (2, 1, "bfloat16")])
+def test_ep_matches_single_and_routes_every_token_alike(corpus, tmp_path_factory, ep, dp, dtype):
+    """moe-tiny (8 experts, 2 a token), 6 steps of 16 sequences of 32 tokens, accumulation 16 / (2 x ranks),
+    clipping active: expert parallel over 2 and 4 ranks, and 2 x 2 data-parallel replicas, computes what one device
+    computes, at the tests' usual tolerances, and every logged step's tokens per expert, summed over the global batch,
+    are one device's exactly: every token went to the same experts, and the balancing biases moved alike. bfloat16, 3
+    steps: the losses within BF16_TOLERANCE, step 0's loads exactly one device's; after it the weights differ by bf16's
+    rounding (~1e-4), which moves a token whose two best scores nearly tie: at step 2, 48 of 4096 choices here, and
+    train_single.py at micro batch 1 and 4 moves 51 and 38 from its own at micro batch 2 (a bound of 2.5%).
+    The log names who holds which experts."""
+    steps = 3 if dtype == "bfloat16" else 6
+    run, loads, _, printed = moe_run(corpus, tmp_path_factory, ep * dp, ep=ep, dp=dp, dtype=dtype, max_steps=steps)
+    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, dtype=dtype, max_steps=steps)
+    if dtype == "bfloat16":  # step 0 alike; then the weights differ by bf16's rounding, which flips near-ties
+        assert loads[0] == expected_loads[0]
+        moved = np.abs(np.array(loads) - np.array(expected_loads)).sum(axis=(1, 2)) / 2  # tokens on another expert
+        assert moved.max() < 0.025 * np.array(loads[0]).sum(), moved  # one device against itself: up to 1.2%
+        assert max(abs(a - b) / b for a, b in zip(run.losses, reference.losses)) < BF16_TOLERANCE
+    else:
+        assert loads == expected_loads
+        assert_runs_match(run, reference)
+    local = 8 // ep
+    assert f"expert parallel: {ep} expert-parallel x {dp} data-parallel" in printed.splitlines()[0], printed
+    assert f"(rank % {ep}) 0: 0-{local - 1} 1: {local}-{2 * local - 1}" in printed, printed
+
+
+@launches_its_own_ranks  # 2, 4 and 1 ranks in turn
+def test_ep_resumes_from_and_into_other_layouts(corpus, shared_tmp, tmp_path_factory):
+    """One run of 6 steps of moe-tiny, checkpointed every 2: expert parallel on 2 ranks crashes at step 3; 2 x 2
+    data-parallel replicas resume from step 2 (each reading its 4 experts) and crash at step 5; one device resumes
+    from step 4 and finishes: train_single's 6 steps, and its tokens per expert at every step. The balancing biases
+    stay at zero here (balance_rate 0): the checkpoint holds parameters and AdamW's moments, not gpt.MoE's
+    expert_bias buffer, so a resumed run restarts them at zero in every layout (step 2's loss 4.5698, uninterrupted
+    4.5696)."""
+    argv = lambda **layout: flags(corpus, shared_tmp, model="moe-tiny", ckpt_interval=2, **layout)  # noqa: E731
+    frozen = lambda main: partial(_moe_trained, main, balance_rate=0.0)  # noqa: E731
+    assert run_distributed(2, _train_until, frozen(train_ep.main), 3, argv(ep=2)) == ["crashed"] * 2
+    assert run_distributed(4, _train_until, frozen(train_ep.main), 5, argv(ep=2, dp=2, resume=True)) == \
+        ["crashed"] * 4
+    with one_thread():
+        frozen(train_single.main)(argv(resume=True))
+    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, balance_rate=0.0)
+    with open(os.path.join(shared_tmp, "metrics.jsonl")) as f:
+        records = {r["step"]: r["tokens_per_expert"] for r in map(json.loads, f) if "loss" in r}
+    assert [records[step] for step in sorted(records)] == expected_loads
+    assert_runs_match(read_run(str(shared_tmp)), reference, weight_tolerance=MOE_WEIGHT_TOLERANCE)
