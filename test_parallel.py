@@ -7276,3 +7276,46 @@ def test_ep_resumes_from_and_into_other_layouts(corpus, shared_tmp, tmp_path_fac
         records = {r["step"]: r["tokens_per_expert"] for r in map(json.loads, f) if "loss" in r}
     assert [records[step] for step in sorted(records)] == expected_loads
     assert_runs_match(read_run(str(shared_tmp)), reference, weight_tolerance=MOE_WEIGHT_TOLERANCE)
+
+
+def test_ep_trains_when_the_router_sends_every_token_to_one_rank(corpus, tmp_path_factory):
+    """Experts 0 and 1 of every layer made the router's sure choice (their balancing biases at 100): every token runs
+    on them, both on expert-parallel rank 0, and rank 1's experts run on no token at all. 3 steps on 2 ranks train
+    without a hang and equal one device's under the same routing; the log shows the imbalance: each of the two holds
+    every token, n_expert / n_expert_per_token = 4 times the mean."""
+    run, loads, imbalance, _ = moe_run(corpus, tmp_path_factory, 2, hot_experts=(0, 1), ep=2, max_steps=3)
+    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, hot_experts=(0, 1), max_steps=3)
+    tokens = 16 * 32
+    assert loads == expected_loads == [[[tokens, tokens] + [0] * 6] * 4] * 3
+    assert imbalance == [4.0] * 3
+    assert_runs_match(run, reference)
+    assert run.losses[-1] < run.losses[0]
+
+
+def _ep_refusals(argvs):
+    """train_ep.main's refusal of each argv on this rank, each of which must come before the run's first collective."""
+    real = dist.all_gather_object  # init_distributed's fingerprint check: the first collective of a run
+    dist.all_gather_object = lambda *args, **kwargs: pytest.fail("a collective before the refusal")
+    messages = []
+    try:
+        for argv in argvs:
+            try:
+                train_ep.main(argv)
+            except training.UsageError as error:
+                messages.append(str(error))
+    finally:
+        dist.all_gather_object = real
+    return messages
+
+
+def test_ep_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path):
+    """On 3 ranks: a dense model, experts that do not split over --ep, a layout of another size, --impl torch; each
+    refused in one line on every rank, saying what to change."""
+    cases = [(dict(model="tiny"), "train_ep.py needs a mixture of experts, e.g. --model moe-tiny: tiny has one MLP"),
+             (dict(ep=3), "--ep 3 does not divide the model's 8 experts: choose --ep among [1, 2, 4, 8]"),
+             (dict(ep=2, dp=2), "--ep 2 x --dp 2 = 4 ranks, but the world has 3: choose --ep and --dp whose product"),
+             (dict(impl="torch"), "--impl torch: PyTorch core has no expert parallelism")]
+    argvs = [flags(corpus, tmp_path, **{"model": "moe-tiny", "global_batch": 6, **overrides}) for overrides, _ in cases]
+    for messages in run_distributed(3, _ep_refusals, argvs):
+        assert len(messages) == len(cases), messages
+        assert all(message.startswith(expected) for message, (_, expected) in zip(messages, cases)), messages
