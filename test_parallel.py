@@ -7319,3 +7319,25 @@ def test_ep_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tm
     for messages in run_distributed(3, _ep_refusals, argvs):
         assert len(messages) == len(cases), messages
         assert all(message.startswith(expected) for message, (_, expected) in zip(messages, cases)), messages
+
+
+@launches_its_own_ranks
+def test_ep_bench_measures_what_the_formula_says(corpus, tmp_path):
+    """What rank 0 of train_ep.py --ep 2 (moe-tiny, bfloat16, 2 micro-batches of 2) sends in one step, read from the
+    profiler by bench.py, is bench.expert_parallel_terms to the byte, given the pairs its experts received in that step
+    (the log's tokens per expert of experts 0-3): the counts, the dispatch and the combine, forward and backward, each
+    carrying 2 bytes an element (a combine or a gradient sent in float32 would not match), and the step's all-reduces;
+    and its parameters, gradients and AdamW state are the formula's: the shared parameters and 4 of 8 experts."""
+    args = argparse.Namespace(model="tiny", data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
+                              dtype="bfloat16", compile=False, threads=1, global_batch=8, bucket_mb=25,
+                              sequence_parallel=False)
+    table = bench.strategies(args)
+    row = bench.run_once(args, "ep", "train_ep.py", 2, table["ep"].flags + ["--micro_batch", "2"], None, 2, 8,
+                         str(tmp_path))
+    with open(tmp_path / "ep-None-2-8" / "metrics.jsonl") as f:
+        loads = next(r["tokens_per_expert"] for r in map(json.loads, f) if r.get("step") == 2)  # the profiled step
+    terms = bench.expert_parallel_terms(gpt.make_config("moe-tiny", 256, 32), 8, 2, dtype="bfloat16",
+                                        received=sum(sum(layer[:4]) for layer in loads))
+    assert row["collectives"] == sum(term.count for term in terms), terms
+    assert row["comm_bytes"] == sum(term.bytes for term in terms), terms
+    assert row["state_bytes"] == table["ep"].states()

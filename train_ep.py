@@ -106,7 +106,8 @@ def all_reduce_gradients(model, dp_group, world_size):
     for expert, group in ((False, None), (True, dp_group)):
         grads = [p.grad for name, p in model.named_parameters() if is_expert(name) == expert]
         flat = torch.cat([grad.flatten() for grad in grads])
-        dist.all_reduce(flat, group=group)
+        if dist.get_world_size(group) > 1:  # at --dp 1 an expert's gradient is whole already
+            dist.all_reduce(flat, group=group)
         flat /= world_size
         for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
             grad.copy_(reduced.view_as(grad))
