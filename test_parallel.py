@@ -507,7 +507,8 @@ def _advertised_commands():
     script."""
     texts = [*documentation().values(), *(open(os.path.join(HERE, name)).read() for name in
                                           ("train_single.py", "train_ddp.py", "train_zero.py", "train_fsdp.py",
-                                           "train_tp.py", "train_2d.py", "train_cp.py", "train_4d.py"))]
+                                           "train_tp.py", "train_2d.py", "train_cp.py", "train_4d.py",
+                                           "train_ep.py"))]
     lines = "\n".join(texts).replace("\\\n", " ").splitlines()
     return [line.split("#")[0] for line in lines if re.search(r"(torchrun|python) .*train_\w+\.py", line)]
 
@@ -1102,7 +1103,7 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
         train_single.main(flags(corpus, tmp_path, **bad))
 
 
-SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, train_cp, train_4d,
+SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, train_cp, train_4d, train_ep,
            prepare_data, bench, gpu_check, bench_pipeline, sample]
 
 
@@ -4876,7 +4877,7 @@ def test_what_a_reader_must_read_is_small():
     outside the train_*.py files; copying a script drags along at most 1,600 lines; each strategy core names no
     project module but gpt."""
     for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_cp",
-                   "train_4d"]:
+                   "train_4d", "train_ep"]:
         reach = reader_reach(script)
         outside = sum(lines for module, (lines, _) in reach.items() if not module.startswith("train_"))
         dragged = sorted(m for m in imported_at_module_level(script) if not m.startswith("train_"))
@@ -4897,7 +4898,8 @@ def test_what_a_reader_must_read_is_small():
         else:
             assert outside <= 980, reach
         assert dragged_lines <= 1600, dragged
-    for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp", "train_cp", "train_4d"]:
+    for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp", "train_cp", "train_4d",
+                   "train_ep"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
         named = {n.id for node in core for n in ast.walk(node) if isinstance(n, ast.Name)}
@@ -4914,7 +4916,8 @@ def test_every_training_script_is_at_most_400_lines():
 CORES = {"train_single.py": [], "train_ddp.py": [], "train_fsdp.py": [], "train_tp.py": [],  # script -> it composes
          "train_2d.py": ["train_tp.py", "train_fsdp.py"], "train_pp.py": ["train_ddp.py"],
          "train_zero.py": ["train_ddp.py"], "train_cp.py": ["train_ddp.py"],
-         "train_4d.py": ["train_tp.py", "train_fsdp.py", "train_pp.py", "train_cp.py", "train_ddp.py"]}
+         "train_4d.py": ["train_tp.py", "train_fsdp.py", "train_pp.py", "train_cp.py", "train_ddp.py"],
+         "train_ep.py": []}
 
 
 def test_a_strategy_core_needs_torch_and_gpt_alone(tmp_path):
