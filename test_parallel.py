@@ -65,6 +65,7 @@ import prepare_data  # noqa: E402
 import sample  # noqa: E402
 import train_cp  # noqa: E402
 import train_ddp  # noqa: E402
+import train_ep  # noqa: E402
 import train_fsdp  # noqa: E402
 import train_pp  # noqa: E402
 import train_single  # noqa: E402
@@ -506,7 +507,8 @@ def _advertised_commands():
     script."""
     texts = [*documentation().values(), *(open(os.path.join(HERE, name)).read() for name in
                                           ("train_single.py", "train_ddp.py", "train_zero.py", "train_fsdp.py",
-                                           "train_tp.py", "train_2d.py", "train_cp.py", "train_4d.py"))]
+                                           "train_tp.py", "train_2d.py", "train_cp.py", "train_4d.py",
+                                           "train_ep.py"))]
     lines = "\n".join(texts).replace("\\\n", " ").splitlines()
     return [line.split("#")[0] for line in lines if re.search(r"(torchrun|python) .*train_\w+\.py", line)]
 
@@ -1101,7 +1103,7 @@ def test_bad_input_is_a_clear_error(corpus, tmp_path, bad, message):
         train_single.main(flags(corpus, tmp_path, **bad))
 
 
-SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, train_cp, train_4d,
+SCRIPTS = [train_single, train_ddp, train_zero, train_fsdp, train_tp, train_2d, train_pp, train_cp, train_4d, train_ep,
            prepare_data, bench, gpu_check, bench_pipeline, sample]
 
 
@@ -4877,7 +4879,7 @@ def test_what_a_reader_must_read_is_small():
     outside the train_*.py files; copying a script drags along at most 1,600 lines; each strategy core names no
     project module but gpt."""
     for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_cp",
-                   "train_4d"]:
+                   "train_4d", "train_ep"]:
         reach = reader_reach(script)
         outside = sum(lines for module, (lines, _) in reach.items() if not module.startswith("train_"))
         dragged = sorted(m for m in imported_at_module_level(script) if not m.startswith("train_"))
@@ -4898,7 +4900,8 @@ def test_what_a_reader_must_read_is_small():
         else:
             assert outside <= 980, reach
         assert dragged_lines <= 1600, dragged
-    for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp", "train_cp", "train_4d"]:
+    for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp", "train_cp", "train_4d",
+                   "train_ep"]:
         definitions, imports, _ = _top_level_definitions(script)
         core = [node for first, last, node in definitions.values() if node.lineno < definitions["main"][0]]
         named = {n.id for node in core for n in ast.walk(node) if isinstance(n, ast.Name)}
@@ -4915,7 +4918,8 @@ def test_every_training_script_is_at_most_400_lines():
 CORES = {"train_single.py": [], "train_ddp.py": [], "train_fsdp.py": [], "train_tp.py": [],  # script -> it composes
          "train_2d.py": ["train_tp.py", "train_fsdp.py"], "train_pp.py": ["train_ddp.py"],
          "train_zero.py": ["train_ddp.py"], "train_cp.py": ["train_ddp.py"],
-         "train_4d.py": ["train_tp.py", "train_fsdp.py", "train_pp.py", "train_cp.py", "train_ddp.py"]}
+         "train_4d.py": ["train_tp.py", "train_fsdp.py", "train_pp.py", "train_cp.py", "train_ddp.py"],
+         "train_ep.py": []}
 
 
 def test_a_strategy_core_needs_torch_and_gpt_alone(tmp_path):
@@ -7514,3 +7518,167 @@ def test_mixtral_config_json_gives_the_preset():
         hugging_face.config_from_hugging_face(dict(hub, sliding_window=1024), 4096, 0.0)
     with pytest.raises(ValueError, match="config.json has no num_local_experts: it is not a Mixtral config"):
         hugging_face.config_from_hugging_face({k: v for k, v in hub.items() if k != "num_local_experts"}, 4096, 0.0)
+
+
+# ---- #44 train_ep.py: expert parallel, tokens dispatched to their experts' ranks and combined back by all-to-all
+
+_ep_runs = {}
+
+
+def _moe_trained(main, argv, hot_experts=(), balance_rate=None):
+    """main(argv) on this rank, every MoE's balancing bias of `hot_experts` set to 100 after init (their scores then
+    always win: the router sends every token to them), and its balance_rate set if given; returns what the rank
+    printed."""
+    real_init_weights = gpt.GPT.init_weights
+
+    def init_weights(self, *args):
+        real_init_weights(self, *args)
+        for module in self.modules():
+            if isinstance(module, gpt.MoE):
+                module.expert_bias[list(hot_experts)] = 100.0
+                module.balance_rate = module.balance_rate if balance_rate is None else balance_rate
+
+    gpt.GPT.init_weights = init_weights
+    try:
+        return _printed(main, argv)
+    finally:
+        gpt.GPT.init_weights = real_init_weights
+
+
+MOE_WEIGHT_TOLERANCE = 2e-4
+"""moe-tiny's untied wte, whose rows of rare bytes AdamW steps on gradients of rounding noise, moves by 5.0e-5 when
+train_single.py alone sums its gradients in another order (micro batch 1 instead of 2; 2.0e-5 at 4): WEIGHT_TOLERANCE
+itself. Three layouts in one run (expert parallel 2, 2 x 2, one device): 7.6e-5 on wte, 1.4e-5 elsewhere."""
+
+
+def moe_run(corpus, tmp_path_factory, ranks, hot_experts=(), balance_rate=None, **overrides):
+    """train_ep.py on `ranks` ranks (train_single.py where ranks is 0) on moe-tiny, once per distinct flags per
+    session: (read_run's result, every logged step's tokens_per_expert and expert_imbalance, what rank 0 printed)."""
+    key = (ranks, hot_experts, balance_rate, tuple(sorted(overrides.items())))
+    if key not in _ep_runs:
+        out_dir = shared_folder(tmp_path_factory, "ep")
+        argv = flags(corpus, out_dir, **{"model": "moe-tiny", **overrides})
+        if ranks:
+            printed = run_distributed(ranks, _moe_trained, train_ep.main, argv, hot_experts, balance_rate)[0]
+        else:
+            with one_thread():
+                printed = _moe_trained(train_single.main, argv, hot_experts, balance_rate)
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            records = {r["step"]: r for r in map(json.loads, f) if "loss" in r}  # a resumed step: its last try
+        loads = [records[s]["tokens_per_expert"] for s in sorted(records)]
+        _ep_runs[key] = read_run(str(out_dir)), loads, [records[s]["expert_imbalance"] for s in sorted(records)], printed
+    return _ep_runs[key]
+
+
+@pytest.mark.parametrize("ep, dp, dtype", [(2, 1, "float32"), (4, 1, "float32"), (2, 2, "float32"),
+                                           (2, 1, "bfloat16")])
+def test_ep_matches_single_and_routes_every_token_alike(corpus, tmp_path_factory, ep, dp, dtype):
+    """moe-tiny (8 experts, 2 a token), 6 steps of 16 sequences of 32 tokens, accumulation 16 / (2 x ranks),
+    clipping active: expert parallel over 2 and 4 ranks, and 2 x 2 data-parallel replicas, computes what one device
+    computes, at the tests' usual tolerances, and every logged step's tokens per expert, summed over the global batch,
+    are one device's exactly: every token went to the same experts, and the balancing biases moved alike. bfloat16, 3
+    steps: the losses within BF16_TOLERANCE, step 0's loads exactly one device's; after it the weights differ by bf16's
+    rounding (~1e-4), which moves a token whose two best scores nearly tie: at step 2, 48 of 4096 choices here, and
+    train_single.py at micro batch 1 and 4 moves 51 and 38 from its own at micro batch 2 (a bound of 2.5%).
+    The log names who holds which experts."""
+    steps = 3 if dtype == "bfloat16" else 6
+    run, loads, _, printed = moe_run(corpus, tmp_path_factory, ep * dp, ep=ep, dp=dp, dtype=dtype, max_steps=steps)
+    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, dtype=dtype, max_steps=steps)
+    if dtype == "bfloat16":  # step 0 alike; then the weights differ by bf16's rounding, which flips near-ties
+        assert loads[0] == expected_loads[0]
+        moved = np.abs(np.array(loads) - np.array(expected_loads)).sum(axis=(1, 2)) / 2  # tokens on another expert
+        assert moved.max() < 0.025 * np.array(loads[0]).sum(), moved  # one device against itself: up to 1.2%
+        assert max(abs(a - b) / b for a, b in zip(run.losses, reference.losses)) < BF16_TOLERANCE
+    else:
+        assert loads == expected_loads
+        assert_runs_match(run, reference)
+    local = 8 // ep
+    assert f"expert parallel: {ep} expert-parallel x {dp} data-parallel" in printed.splitlines()[0], printed
+    assert f"(rank % {ep}) 0: 0-{local - 1} 1: {local}-{2 * local - 1}" in printed, printed
+
+
+@launches_its_own_ranks  # 2, 4 and 1 ranks in turn
+def test_ep_resumes_from_and_into_other_layouts(corpus, shared_tmp, tmp_path_factory):
+    """One run of 6 steps of moe-tiny, checkpointed every 2: expert parallel on 2 ranks crashes at step 3; 2 x 2
+    data-parallel replicas resume from step 2 (each reading its 4 experts) and crash at step 5; one device resumes
+    from step 4 and finishes: train_single's 6 steps, and its tokens per expert at every step. The balancing biases
+    stay at zero here (balance_rate 0): the checkpoint holds parameters and AdamW's moments, not gpt.MoE's
+    expert_bias buffer, so a resumed run restarts them at zero in every layout (step 2's loss 4.5698, uninterrupted
+    4.5696)."""
+    argv = lambda **layout: flags(corpus, shared_tmp, model="moe-tiny", ckpt_interval=2, **layout)  # noqa: E731
+    frozen = lambda main: partial(_moe_trained, main, balance_rate=0.0)  # noqa: E731
+    assert run_distributed(2, _train_until, frozen(train_ep.main), 3, argv(ep=2)) == ["crashed"] * 2
+    assert run_distributed(4, _train_until, frozen(train_ep.main), 5, argv(ep=2, dp=2, resume=True)) == \
+        ["crashed"] * 4
+    with one_thread():
+        frozen(train_single.main)(argv(resume=True))
+    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, balance_rate=0.0)
+    with open(os.path.join(shared_tmp, "metrics.jsonl")) as f:
+        records = {r["step"]: r["tokens_per_expert"] for r in map(json.loads, f) if "loss" in r}
+    assert [records[step] for step in sorted(records)] == expected_loads
+    assert_runs_match(read_run(str(shared_tmp)), reference, weight_tolerance=MOE_WEIGHT_TOLERANCE)
+
+
+def test_ep_trains_when_the_router_sends_every_token_to_one_rank(corpus, tmp_path_factory):
+    """Experts 0 and 1 of every layer made the router's sure choice (their balancing biases at 100): every token runs
+    on them, both on expert-parallel rank 0, and rank 1's experts run on no token at all. 3 steps on 2 ranks train
+    without a hang and equal one device's under the same routing; the log shows the imbalance: each of the two holds
+    every token, n_expert / n_expert_per_token = 4 times the mean."""
+    run, loads, imbalance, _ = moe_run(corpus, tmp_path_factory, 2, hot_experts=(0, 1), ep=2, max_steps=3)
+    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, hot_experts=(0, 1), max_steps=3)
+    tokens = 16 * 32
+    assert loads == expected_loads == [[[tokens, tokens] + [0] * 6] * 4] * 3
+    assert imbalance == [4.0] * 3
+    assert_runs_match(run, reference)
+    assert run.losses[-1] < run.losses[0]
+
+
+def _ep_refusals(argvs):
+    """train_ep.main's refusal of each argv on this rank, each of which must come before the run's first collective."""
+    real = dist.all_gather_object  # init_distributed's fingerprint check: the first collective of a run
+    dist.all_gather_object = lambda *args, **kwargs: pytest.fail("a collective before the refusal")
+    messages = []
+    try:
+        for argv in argvs:
+            try:
+                train_ep.main(argv)
+            except training.UsageError as error:
+                messages.append(str(error))
+    finally:
+        dist.all_gather_object = real
+    return messages
+
+
+def test_ep_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tmp_path):
+    """On 3 ranks: a dense model, experts that do not split over --ep, a layout of another size, --impl torch; each
+    refused in one line on every rank, saying what to change."""
+    cases = [(dict(model="tiny"), "train_ep.py needs a mixture of experts, e.g. --model moe-tiny: tiny has one MLP"),
+             (dict(ep=3), "--ep 3 does not divide the model's 8 experts: choose --ep among [1, 2, 4, 8]"),
+             (dict(ep=2, dp=2), "--ep 2 x --dp 2 = 4 ranks, but the world has 3: choose --ep and --dp whose product"),
+             (dict(impl="torch"), "--impl torch: PyTorch core has no expert parallelism")]
+    argvs = [flags(corpus, tmp_path, **{"model": "moe-tiny", "global_batch": 6, **overrides}) for overrides, _ in cases]
+    for messages in run_distributed(3, _ep_refusals, argvs):
+        assert len(messages) == len(cases), messages
+        assert all(message.startswith(expected) for message, (_, expected) in zip(messages, cases)), messages
+
+
+@launches_its_own_ranks
+def test_ep_bench_measures_what_the_formula_says(corpus, tmp_path):
+    """What rank 0 of train_ep.py --ep 2 (moe-tiny, bfloat16, 2 micro-batches of 2) sends in one step, read from the
+    profiler by bench.py, is bench.expert_parallel_terms to the byte, given the pairs its experts received in that step
+    (the log's tokens per expert of experts 0-3): the counts, the dispatch and the combine, forward and backward, each
+    carrying 2 bytes an element (a combine or a gradient sent in float32 would not match), and the step's all-reduces;
+    and its parameters, gradients and AdamW state are the formula's: the shared parameters and 4 of 8 experts."""
+    args = argparse.Namespace(model="tiny", data=corpus, block_size=32, steps=3, warmup=0, device="cpu",
+                              dtype="bfloat16", compile=False, threads=1, global_batch=8, bucket_mb=25,
+                              sequence_parallel=False)
+    table = bench.strategies(args)
+    row = bench.run_once(args, "ep", "train_ep.py", 2, table["ep"].flags + ["--micro_batch", "2"], None, 2, 8,
+                         str(tmp_path))
+    with open(tmp_path / "ep-None-2-8" / "metrics.jsonl") as f:
+        loads = next(r["tokens_per_expert"] for r in map(json.loads, f) if r.get("step") == 2)  # the profiled step
+    terms = bench.expert_parallel_terms(gpt.make_config("moe-tiny", 256, 32), 8, 2, dtype="bfloat16",
+                                        received=sum(sum(layer[:4]) for layer in loads))
+    assert row["collectives"] == sum(term.count for term in terms), terms
+    assert row["comm_bytes"] == sum(term.bytes for term in terms), terms
+    assert row["state_bytes"] == table["ep"].states()
