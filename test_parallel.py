@@ -7520,6 +7520,7 @@ def test_mixtral_config_json_gives_the_preset():
         hugging_face.config_from_hugging_face({k: v for k, v in hub.items() if k != "num_local_experts"}, 4096, 0.0)
 
 
+# ------------------------------------------------------------------------------------------------------------
 # ---- #44 train_ep.py: expert parallel, tokens dispatched to their experts' ranks and combined back by all-to-all
 
 _ep_runs = {}
