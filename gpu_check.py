@@ -9,7 +9,8 @@ A GPU machine's first check, in one command that fits a 15-minute lease, the row
    peak memory.
 2. equivalence: every script at world size 1 (NCCL) in that fast path against train_single.py in float32 without
    TF32, on --model and --data: the largest relative difference between their losses, step by step. train_cp.py
-   runs ours (both attention methods) and torch's context_parallel, on CUDA alone, at --cp 1 (one GPU).
+   runs ours (both attention methods) and torch's context_parallel, on CUDA alone, at --cp 1 (one GPU). Then the
+   same for moe-tiny, a mixture of experts: train_single.py, train_ep.py --ep 1 and train_fsdp.py.
 3. time permitting: the headline with --activation_checkpointing, then gpt2-medium.
 4. summary: the processes started, how many compiled, the wall time, the rows not run.
 
@@ -47,6 +48,9 @@ EQUIVALENCE = [["train_single.py"], ["train_ddp.py"], ["train_fsdp.py"], ["train
                ["train_pp.py", "--pp", "1"], ["train_cp.py", "--cp", "1"],
                ["train_cp.py", "--cp", "1", "--cp_impl", "ring"], ["train_cp.py", "--cp", "1", "--impl", "torch"],
                ["train_4d.py"]]
+# A mixture of experts (gpt.MoE: routing, the balancing agreement, its graph breaks under --compile) on the same path,
+# and expert parallelism's all-to-alls through NCCL (at --ep 1, each rank's tokens to itself)
+MOE_EQUIVALENCE = [["train_single.py"], ["train_ep.py", "--ep", "1"], ["train_fsdp.py"]]
 CUDA_ONLY = {"train_cp.py --cp 1 --impl torch": "torch's context_parallel has no sharding rule for the CPU attention"}
 GRACE_S = 120  # how long a run may go on past --budget_s before it is stopped
 MAX_MICRO_BATCH = 64  # 65k tokens a step at block 1024
@@ -145,16 +149,18 @@ class Check:
             row["planned_mb"] = planned_bytes(config, layout._replace(micro_batch=row["micro_batch"])) / 2**20
         return self.report(row)
 
-    def equivalence(self, flags):
-        """Every script in `flags` (the fast path) against train_single.py in float32 on --model and --data."""
+    def equivalence(self, flags, scripts=EQUIVALENCE, model=None):
+        """Every script of `scripts` in `flags` (the fast path) against train_single.py in float32 on --data and
+        `model` (default: --model; another names its rows)."""
         args = self.args
-        common = bench.run_flags(args.model, args.data, args.block_size, args.global_batch, args.steps,
+        common = bench.run_flags(model or args.model, args.data, args.block_size, args.global_batch, args.steps,
                                  args.device) + STABLE_LR
-        first = {"row": "reference: train_single.py float32", "status": ""}
+        named = f"{model}: " if model else ""
+        first = {"row": f"{named}reference: train_single.py float32", "status": ""}
         reference = self.run(first, ["train_single.py"] + common + ["--dtype", "float32"])
         self.report(dict(first, loss=reference[-1]["loss"]) if reference else first)
-        for script in EQUIVALENCE:
-            row = {"row": " ".join(script), "status": "not run: the reference failed"}
+        for script in scripts:
+            row = {"row": named + " ".join(script), "status": "not run: the reference failed"}
             records = self.run(row, script + common + flags) if first["status"] != "FAILED" else None
             if records:
                 differences = [abs(r["loss"] - e["loss"]) / e["loss"] for r, e in zip(records, reference)]
@@ -198,6 +204,7 @@ def main(argv=None):
         tokens = bench.synthetic_data(os.path.join(tmp, "gpt2-vocabulary"), GPT2_VOCABULARY)
         first = check.throughput("headline", headline, tokens, layout, fast, always=True)
         check.equivalence(fast)
+        check.equivalence(fast, MOE_EQUIVALENCE, "moe-tiny")
         check.throughput("activation checkpointing", headline, tokens, layout._replace(activation_checkpointing=True),
                          fast + ["--activation_checkpointing"], micro_batch=first["micro_batch"])
         check.throughput(f"larger: {larger}", larger, tokens, layout, fast)

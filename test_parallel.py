@@ -1686,7 +1686,8 @@ GPU_CHECK_ROWS = ["machine", "headline", "reference: train_single.py float32", "
                   "train_fsdp.py", "train_tp.py --tp 1", "train_tp.py --tp 1 --sequence_parallel",
                   "train_2d.py --tp 1 --dp 1", "train_pp.py --pp 1", "train_cp.py --cp 1",
                   "train_cp.py --cp 1 --cp_impl ring", "train_cp.py --cp 1 --impl torch", "train_4d.py",
-                  "activation checkpointing"]
+                  "moe-tiny: reference: train_single.py float32", "moe-tiny: train_single.py",
+                  "moe-tiny: train_ep.py --ep 1", "moe-tiny: train_fsdp.py", "activation checkpointing"]
 H200 = dict(name="NVIDIA H200", total_memory=150_000_000_000)  # about 139 GiB
 
 
@@ -1726,7 +1727,7 @@ def test_gpu_check_reports_each_row_before_the_next_run(corpus, tmp_path, monkey
     loss): the headline first, GPT-2 124M at block 1024 in bf16 + --compile at the planner's micro-batch for an
     H200; then the float32 reference and every script in bf16 + --compile; then activation checkpointing and
     gpt2-medium. Each row is in --json when it is reported, before the next run starts; every run shares one
-    inductor cache; the summary counts what a GPU run would start: 15 processes, 14 of them compiling."""
+    inductor cache; the summary counts what a GPU run would start: 19 processes, 17 of them compiling."""
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: argparse.Namespace(**H200))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: H200["name"])
     path, runs = tmp_path / "gpu.json", []
@@ -1740,7 +1741,7 @@ def test_gpu_check_reports_each_row_before_the_next_run(corpus, tmp_path, monkey
     rows, on_disk = _gpu_check(["--device", "cuda", "--data", corpus, "--steps", "4"], path, monkeypatch, launch)
     assert [row["row"] for row in rows] == GPU_CHECK_ROWS + ["larger: gpt2-medium", "summary"], rows
     assert all(row["status"] == "ok" for row in rows) and all(on_disk), rows
-    assert [run["rows"] for run in runs] == list(range(1, 16))  # every row known was on disk before the next run
+    assert [run["rows"] for run in runs] == list(range(1, 20))  # every row known was on disk before the next run
     assert len({run["env"]["TORCHINDUCTOR_CACHE_DIR"] for run in runs}) == 1
     layout = plan.Layout("single", 1, 1, 1, 0, "bfloat16", device="cuda")
     for row, preset in ((rows[1], "gpt2"), (rows[-2], "gpt2-medium")):
@@ -1751,9 +1752,9 @@ def test_gpu_check_reports_each_row_before_the_next_run(corpus, tmp_path, monkey
     assert headline[0] == "train_single.py" and "--compile" in headline and "bfloat16" in headline
     assert "--compile" not in reference and reference[reference.index("--dtype") + 1] == "float32"
     assert all(" ".join(gpu_check.STABLE_LR) in " ".join(run["command"]) for run in runs[1:-2])
-    assert "--lr" not in headline and all(row["at_step"] == 0 for row in rows[4:-3] if "not run" not in row["status"])
+    assert "--lr" not in headline and all(row["at_step"] == 0 for row in rows[3:-3] if "reference" not in row["row"])
     assert "--activation_checkpointing" in runs[-2]["command"] and rows[-3]["micro_batch"] == 64
-    assert rows[-1]["processes"] == 15 and rows[-1]["compiled"] == 14 and rows[-1]["not_run"] == []
+    assert rows[-1]["processes"] == 19 and rows[-1]["compiled"] == 17 and rows[-1]["not_run"] == []
 
 
 def test_gpu_check_names_the_error_that_ended_a_run():
