@@ -7547,12 +7547,6 @@ def _moe_trained(main, argv, hot_experts=(), balance_rate=None):
         gpt.GPT.init_weights = real_init_weights
 
 
-MOE_WEIGHT_TOLERANCE = 2e-4
-"""moe-tiny's untied wte, whose rows of rare bytes AdamW steps on gradients of rounding noise, moves by 5.0e-5 when
-train_single.py alone sums its gradients in another order (micro batch 1 instead of 2; 2.0e-5 at 4): WEIGHT_TOLERANCE
-itself. Three layouts in one run (expert parallel 2, 2 x 2, one device): 7.6e-5 on wte, 1.4e-5 elsewhere."""
-
-
 def moe_run(corpus, tmp_path_factory, ranks, hot_experts=(), balance_rate=None, **overrides):
     """train_ep.py on `ranks` ranks (train_single.py where ranks is 0) on moe-tiny, once per distinct flags per
     session: (read_run's result, every logged step's tokens_per_expert and expert_imbalance, what rank 0 printed)."""
@@ -7568,7 +7562,8 @@ def moe_run(corpus, tmp_path_factory, ranks, hot_experts=(), balance_rate=None, 
         with open(os.path.join(out_dir, "metrics.jsonl")) as f:
             records = {r["step"]: r for r in map(json.loads, f) if "loss" in r}  # a resumed step: its last try
         loads = [records[s]["tokens_per_expert"] for s in sorted(records)]
-        _ep_runs[key] = read_run(str(out_dir)), loads, [records[s]["expert_imbalance"] for s in sorted(records)], printed
+        imbalance = [records[s]["expert_imbalance"] for s in sorted(records)]
+        _ep_runs[key] = read_run(str(out_dir)), loads, imbalance, printed
     return _ep_runs[key]
 
 
@@ -7579,17 +7574,17 @@ def test_ep_matches_single_and_routes_every_token_alike(corpus, tmp_path_factory
     clipping active: expert parallel over 2 and 4 ranks, and 2 x 2 data-parallel replicas, computes what one device
     computes, at the tests' usual tolerances, and every logged step's tokens per expert, summed over the global batch,
     are one device's exactly: every token went to the same experts, and the balancing biases moved alike. bfloat16, 3
-    steps: the losses within BF16_TOLERANCE, step 0's loads exactly one device's; after it the weights differ by bf16's
-    rounding (~1e-4), which moves a token whose two best scores nearly tie: at step 2, 48 of 4096 choices here, and
-    train_single.py at micro batch 1 and 4 moves 51 and 38 from its own at micro batch 2 (a bound of 2.5%).
+    steps of 8 sequences: the losses within BF16_TOLERANCE, step 0's loads exactly one device's; after it the weights
+    differ by bf16's rounding (~1e-4), which moves a token whose two best scores nearly tie: at most 4 of 2048 choices
+    here, and train_single.py at micro batch 1 and 4 moves 8 and 6 from its own at micro batch 2 (a bound of 1%).
     The log names who holds which experts."""
-    steps = 3 if dtype == "bfloat16" else 6
-    run, loads, _, printed = moe_run(corpus, tmp_path_factory, ep * dp, ep=ep, dp=dp, dtype=dtype, max_steps=steps)
-    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, dtype=dtype, max_steps=steps)
+    short = dict(max_steps=3, global_batch=8) if dtype == "bfloat16" else {}  # bf16 matmuls are slow here
+    run, loads, _, printed = moe_run(corpus, tmp_path_factory, ep * dp, ep=ep, dp=dp, dtype=dtype, **short)
+    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, dtype=dtype, **short)
     if dtype == "bfloat16":  # step 0 alike; then the weights differ by bf16's rounding, which flips near-ties
         assert loads[0] == expected_loads[0]
         moved = np.abs(np.array(loads) - np.array(expected_loads)).sum(axis=(1, 2)) / 2  # tokens on another expert
-        assert moved.max() < 0.025 * np.array(loads[0]).sum(), moved  # one device against itself: up to 1.2%
+        assert moved.max() < 0.01 * np.array(loads[0]).sum(), moved  # one device against itself: up to 0.4%
         assert max(abs(a - b) / b for a, b in zip(run.losses, reference.losses)) < BF16_TOLERANCE
     else:
         assert loads == expected_loads
@@ -7601,36 +7596,38 @@ def test_ep_matches_single_and_routes_every_token_alike(corpus, tmp_path_factory
 
 @launches_its_own_ranks  # 2, 4 and 1 ranks in turn
 def test_ep_resumes_from_and_into_other_layouts(corpus, shared_tmp, tmp_path_factory):
-    """One run of 6 steps of moe-tiny, checkpointed every 2: expert parallel on 2 ranks crashes at step 3; 2 x 2
-    data-parallel replicas resume from step 2 (each reading its 4 experts) and crash at step 5; one device resumes
-    from step 4 and finishes: train_single's 6 steps, and its tokens per expert at every step. The balancing biases
-    stay at zero here (balance_rate 0): the checkpoint holds parameters and AdamW's moments, not gpt.MoE's
-    expert_bias buffer, so a resumed run restarts them at zero in every layout (step 2's loss 4.5698, uninterrupted
-    4.5696)."""
-    argv = lambda **layout: flags(corpus, shared_tmp, model="moe-tiny", ckpt_interval=2, **layout)  # noqa: E731
+    """One run of 6 steps of 8 sequences of moe-tiny, checkpointed every 2: expert parallel on 2 ranks crashes at step
+    3; 2 x 2 data-parallel replicas resume from step 2 (each reading its 4 experts) and crash at step 5; one device
+    resumes from step 4 and finishes: train_single's 6 steps, and its tokens per expert at every step. The balancing
+    biases stay at zero here (balance_rate 0): the checkpoint holds parameters and AdamW's moments, not gpt.MoE's
+    expert_bias buffer, so a resumed run restarts them at zero in every layout (measured at 16 sequences a step: the
+    resumed step 2's loss 4.5698, uninterrupted 4.5696)."""
+    argv = lambda **layout: flags(corpus, shared_tmp, model="moe-tiny", global_batch=8, ckpt_interval=2,  # noqa: E731
+                                  **layout)
     frozen = lambda main: partial(_moe_trained, main, balance_rate=0.0)  # noqa: E731
     assert run_distributed(2, _train_until, frozen(train_ep.main), 3, argv(ep=2)) == ["crashed"] * 2
     assert run_distributed(4, _train_until, frozen(train_ep.main), 5, argv(ep=2, dp=2, resume=True)) == \
         ["crashed"] * 4
     with one_thread():
         frozen(train_single.main)(argv(resume=True))
-    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, balance_rate=0.0)
+    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, balance_rate=0.0, global_batch=8)
     with open(os.path.join(shared_tmp, "metrics.jsonl")) as f:
         records = {r["step"]: r["tokens_per_expert"] for r in map(json.loads, f) if "loss" in r}
     assert [records[step] for step in sorted(records)] == expected_loads
-    assert_runs_match(read_run(str(shared_tmp)), reference, weight_tolerance=MOE_WEIGHT_TOLERANCE)
+    assert_runs_match(read_run(str(shared_tmp)), reference)
 
 
 def test_ep_trains_when_the_router_sends_every_token_to_one_rank(corpus, tmp_path_factory):
     """Experts 0 and 1 of every layer made the router's sure choice (their balancing biases at 100): every token runs
-    on them, both on expert-parallel rank 0, and rank 1's experts run on no token at all. 3 steps on 2 ranks train
-    without a hang and equal one device's under the same routing; the log shows the imbalance: each of the two holds
-    every token, n_expert / n_expert_per_token = 4 times the mean."""
-    run, loads, imbalance, _ = moe_run(corpus, tmp_path_factory, 2, hot_experts=(0, 1), ep=2, max_steps=3)
-    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, hot_experts=(0, 1), max_steps=3)
-    tokens = 16 * 32
-    assert loads == expected_loads == [[[tokens, tokens] + [0] * 6] * 4] * 3
-    assert imbalance == [4.0] * 3
+    on them, both on expert-parallel rank 0, and rank 1's experts run on no token at all. 2 steps of 8 sequences on 2
+    ranks train without a hang and equal one device's under the same routing; the log shows the imbalance: each of
+    the two holds every token, n_expert / n_expert_per_token = 4 times the mean."""
+    short = dict(max_steps=2, global_batch=8)
+    run, loads, imbalance, _ = moe_run(corpus, tmp_path_factory, 2, hot_experts=(0, 1), ep=2, **short)
+    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, hot_experts=(0, 1), **short)
+    tokens = 8 * 32
+    assert loads == expected_loads == [[[tokens, tokens] + [0] * 6] * 4] * 2
+    assert imbalance == [4.0] * 2
     assert_runs_match(run, reference)
     assert run.losses[-1] < run.losses[0]
 

@@ -101,8 +101,9 @@ def expert_parallel(model, group):
 def all_reduce_gradients(model, dp_group, world_size):
     """After backward, every gradient becomes the sum of the world's over world_size: the gradient of the mean loss
     over the global batch. A shared parameter's gradient is this rank's rows' alone; an expert's already sums its
-    expert-parallel group's rows (the dispatch's backward brought them home), so the rest of its sum is over its
-    replicas. One flat all-reduce of each kind, after the last micro-step."""
+    expert-parallel group's rows (the combine's backward brought their outputs' gradients to it), so the rest of its
+    sum is over its replicas. One flat all-reduce of each kind, after the last micro-step: simple, not overlapped with
+    backward as train_ddp.py's buckets are."""
     for expert, group in ((False, None), (True, dp_group)):
         grads = [p.grad for name, p in model.named_parameters() if is_expert(name) == expert]
         flat = torch.cat([grad.flatten() for grad in grads])
@@ -213,7 +214,7 @@ def main(argv=None):
         for micro_step in range(train_data.accumulation):
             x, y = train_data.get(step, micro_step)
             with autocast:
-                loss = forward(x, y) / train_data.accumulation  # this rank's rows' mean; summed over ranks below
+                loss = forward(x, y) / train_data.accumulation  # this rank's rows' mean; averaged over ranks below
             loss.backward()
             loss_sum += loss.detach()
         all_reduce_gradients(model, dp_group, world_size)
