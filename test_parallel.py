@@ -7290,3 +7290,17 @@ def test_expert_parallel_plan_matches_what_a_run_holds(corpus, shared_tmp, check
     print(f"ep 2: activations planned {activations:,} bytes a rank, measured {[r['activations'] for r in held]}")
     measured = sum(rank["activations"] for rank in held)  # checkpointed: the blocks' inputs, as the other layouts'
     assert abs(2 * activations - measured) <= (ACTIVATION_TOLERANCE * measured if checkpointing else 64)
+
+
+def test_the_expert_parallel_plans_the_docs_print_are_what_plan_prints(capsys, monkeypatch, tmp_path):
+    """Every `$ python train_ep.py --plan ...` the docs show, run as written through plan_of_train_ep (a ```text
+    block: test_the_plans_the_docs_print_are_what_plan_prints imports each script it runs, which a checkout without
+    train_ep.py lacks): it prints the docs' lines, to the digit. 3 s."""
+    monkeypatch.chdir(tmp_path)
+    shown = [block for text in documentation().values()
+             for block in re.findall(r"```text\n(\$ python train_ep\.py --plan .*?)```", text, re.S)]
+    assert shown
+    for block in shown:
+        command, *expected = block.replace("\\\n", " ").splitlines()
+        code, printed = command_line(plan_of_train_ep, shlex.split(command)[3:], capsys)
+        assert code == 0 and printed.splitlines() == expected, f"{command}\nprints\n{printed}"
