@@ -9,11 +9,15 @@ What a strategy builds is read from the strategy's own code, which the caller pa
 training scripts and imports none of them): sliced=train_tp.is_sliced (what tensor parallelism splits),
 units=train_fsdp.flat_parameter_groups (FSDP's units and FlatParameters), buckets=train_ddp.assign_buckets (DDP's
 gradient buckets, which ZeRO cuts into slices).
+
+A mixture of experts (gpt.MoE) is planned under every strategy: its experts are the model's parameters, whole where
+the strategy does not split them; expert parallelism ("ep") keeps n_expert / ep of each layer's experts on a rank.
 """
 
 import os
 import itertools
 from dataclasses import asdict, replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -24,7 +28,7 @@ import training
 
 
 class Layout(NamedTuple):
-    strategy: str  # single, ddp, zero, fsdp, tp, 2d, pp, cp, 4d
+    strategy: str  # single, ddp, zero, fsdp, tp, 2d, pp, cp, 4d, ep
     world_size: int
     dp: int  # data-parallel degree: FSDP's shard count in 2d, and in fsdp times `replicate`
     tp: int  # tensor-parallel degree
@@ -45,19 +49,26 @@ class Layout(NamedTuple):
     cp_impl: str = "allgather"  # cp: how attention reaches the other ranks' keys and values (allgather, ring)
     cpu_offload: bool = False  # fsdp and 2d: shards, their gradients and AdamW in host memory, stepped there
     dp_impl: str = "fsdp"  # 4d: the data axis' strategy, fsdp (sharded over dp x cp) or ddp (replicated)
+    ep: int = 1  # ep: expert-parallel ranks, n_expert / ep experts of each layer a rank (dp: every rank's own rows)
+    expert_load: float = 1  # ep: the rows this rank's experts receive over their mean (1: a balanced router)
+
+    @property
+    def bytes(self):  # an element of the compute dtype
+        return 2 if self.dtype == "bfloat16" else 4
 
 
 def layout_of(args, world_size, dp_size, micro_batch, device):
     """The Layout a script's flags describe on world_size ranks, dp_size of them data-parallel, on device (a type)."""
     pp = getattr(args, "pp", 1)
     cp = world_size // dp_size if args.strategy == "cp" else getattr(args, "cp", 1)
+    ep = (getattr(args, "ep", None) or world_size // (getattr(args, "dp", None) or 1)) if args.strategy == "ep" else 1
     return Layout(args.strategy, world_size, dp_size, world_size // (dp_size * pp * cp), micro_batch, args.dtype,
                   getattr(args, "sequence_parallel", False), not getattr(args, "no_loss_parallel", False),
                   args.activation_checkpointing, not getattr(args, "no_reshard", False), device, pp,
                   getattr(args, "schedule", "1f1b"), args.global_batch // (micro_batch * dp_size),
                   getattr(args, "stage", 1), getattr(args, "replicate", 1), getattr(args, "bucket_mb", 25), cp,
                   getattr(args, "cp_impl", "allgather"), getattr(args, "cpu_offload", False),
-                  getattr(args, "dp_impl", "fsdp"))
+                  getattr(args, "dp_impl", "fsdp"), ep)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -75,14 +86,21 @@ def model_on_meta(config):
     return _models_on_meta[key]
 
 
-def local_sizes(config, tp=1, sliced=None):
-    """{name: elements one tensor-parallel rank holds}: 1/tp of each parameter that sliced(name) says TP splits."""
+def local_sizes(config, tp=1, sliced=None, ep=1):
+    """{name: elements one rank holds}: 1/tp of each parameter that sliced(name) says TP splits; of the experts, under
+    expert parallelism, the first n_expert / ep of each layer (expert-parallel rank 0's: every rank holds as many)."""
     if tp > 1 and sliced is None:
         raise ValueError("a tensor-parallel layout needs the strategy's own rule: pass sliced=train_tp.is_sliced")
     sizes = {}
     for name, param in model_on_meta(config).named_parameters():
+        if is_expert(name) and int(name.split(".")[4]) >= config.n_expert // ep:  # blocks.L.mlp.experts.E.fc.weight
+            continue
         sizes[name] = param.numel() // tp if tp > 1 and sliced(name) else param.numel()
     return sizes
+
+
+def is_expert(name):
+    return ".experts." in name
 
 
 def flat_sizes(config, tp=1, sliced=None, units=None):
@@ -108,12 +126,12 @@ def parameter_plan(config, layout, sliced=None, units=None):
     """(elements of parameters this rank keeps, tensors its optimizer steps, [(elements of each gathered unit, its
     bytes, whether it stays gathered from forward to backward)] (FSDP), elements autocast copies to bfloat16 (the
     matmuls' weights and biases))."""
-    sizes = local_sizes(config, layout.tp, sliced)
+    sizes = local_sizes(config, layout.tp, sliced, layout.ep)
     cast = sum(n for name, n in sizes.items() if is_matmul_weight(name, config))
     if layout.strategy not in ("fsdp", "2d"):
         return sum(sizes.values()), len(sizes), [], cast
     ranks = layout.dp // layout.replicate  # the ranks one flat parameter is sharded over
-    e = 2 if layout.dtype == "bfloat16" else 4
+    e = layout.bytes
     shards = [([(-(-n // ranks), cast) for n, cast in unit], kept)
               for unit, kept in flat_sizes(config, layout.tp, sliced, units)]
     gathered = [(sum(n for n, _ in unit) * ranks, sum(n * (e if cast else 4) for n, cast in unit) * ranks, kept)
@@ -168,9 +186,9 @@ def activation_plan(config, layout):
     FSDP gathers them in float32). Dropout masks count as CUDA keeps them, one byte an element. Llama: RMSNorm saves
     its input and 1/rms, and on CPU, where it runs as elementwise ops, its normalised output too; q and k are saved
     rotated; grouped-query attention saves narrower k and v; SwiGLU saves 4 tensors of the MLP's width where GELU
-    saves 2."""
+    saves 2; a mixture of experts, moe_activations."""
     b, s, h, L = layout.micro_batch, config.block_size, config.n_embd, config.n_layer
-    t, e = layout.tp, (2 if layout.dtype == "bfloat16" else 4)
+    t, e = layout.tp, layout.bytes
     kv, ffn = config.n_kv_head * config.head_dim, config.mlp_hidden  # key/value width, the MLP's width
     shard = t if layout.sequence_parallel else 1  # the residual stream is split over the sequence under SP
     residual = b * (s // shard) * h * 4  # a block's input
@@ -179,7 +197,8 @@ def activation_plan(config, layout):
     else:  # input, mean, 1/std
         norm = b * (s // shard) * h + 2 * b * (s // shard)
     norm *= 4
-    linears = 5 if config.swiglu else 4  # the column-parallel linears: q, k, v, (gate,) fc
+    linears = 5 if config.swiglu and not config.n_expert else 4  # the column-parallel linears: q, k, v, (gate,)
+    # fc; or a mixture's router
     cast_before = e == 2 and layout.strategy in ("tp", "2d")  # TP's f casts the norms' outputs once for its linears
     saved_kv = h if config.dropout else kv  # gpt.py's explicit attention keeps k and v repeated for every query head
     block = (2 * norm  # the two layer norms
@@ -191,8 +210,8 @@ def activation_plan(config, layout):
              + (b * (config.n_head // t) * s * s * (5 + e) if config.dropout  # gpt.py's explicit attention: the
                 # float32 probabilities, their dropout mask, and the dropped ones as the next matmul reads them
                 else b * (config.n_head // t) * s * 4)  # else attention's log-sum-exp per query head and token
-             + (4 if config.swiglu else 2) * b * s * ffn // t * e  # GELU's input and output; or gate's output, its
-             # SiLU, fc's output and their product
+             + (moe_activations(config, layout) if config.n_expert  # or GELU's input and output; or gate's
+                else (4 if config.swiglu else 2) * b * s * ffn // t * e)  # output, its SiLU, fc's and their product
              + (2 * b * (s // shard) * h if config.dropout else 0))  # the two residual dropouts' masks
     vocab_parallel = layout.tp > 1 and layout.loss_parallel  # a softmax over this rank's padded slice, and a mask
     vocab = config.padded_vocab_size // t if vocab_parallel else config.vocab_size
@@ -209,9 +228,24 @@ def activation_plan(config, layout):
     return items, (block if layout.activation_checkpointing else 0)
 
 
-def model_states(params, tensors):
+def moe_activations(config, layout):
+    """Bytes one mixture-of-experts layer saves for backward (measured on CPU, gpt.MoE's and train_ep.py's, float32
+    and bfloat16, to the byte): for its b·s tokens the router's float32 probabilities and their sum; for each of the
+    b·s·k (token, chosen expert) rows, its weight and indices, the expert's output, and that output weighted (float32);
+    for each row the experts run, its input (in bfloat16 gate and fc cast their own, but expert parallelism's rows
+    arrive cast), the MLP's hidden tensors (as MLP), under expert parallelism its indices to the experts' order and
+    back. Dropless, the rows are always b·s·k; a rank's experts run as many on average (layout.expert_load: over
+    that), whatever the router chose."""
+    tokens, h, e, ep = layout.micro_batch * config.block_size, config.n_embd, layout.bytes, layout.strategy == "ep"
+    rows = tokens * config.n_expert_per_token
+    copies = 2 if e == 2 and config.swiglu and not ep else 1
+    expert = e * (copies * h + (4 if config.swiglu else 2) * config.mlp_hidden) + 16 * ep
+    return 4 * tokens * (config.n_expert + 1) + rows * (4 * h + e * h + 32) + int(rows * layout.expert_load) * expert
+
+
+def model_states(params, tensors, whose=""):
     """[(item, bytes)] of `params` float32 elements in `tensors` tensors, their gradients and AdamW's state."""
-    return [("parameters (float32)", 4 * params),
+    return [(whose + "parameters (float32)", 4 * params),
             ("gradients (float32)", 4 * params),
             ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * tensors)]
 
@@ -233,7 +267,7 @@ def save_staging(config, layout, sliced=None, units=None, layers=None):
     fsdp = layout.strategy in ("fsdp", "2d")
     if fsdp and layout.cpu_offload:
         return 0
-    sizes = local_sizes(config, layout.tp, sliced)
+    sizes = local_sizes(config, layout.tp, sliced, layout.ep)
     if layout.strategy == "4d":
         return 4 * max(n for stage in range(layout.pp) for rank in range(layout.dp * layout.cp)
                        for n in four_d_spans(config, layout, stage, layers, sliced, rank).values())
@@ -263,7 +297,7 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
     others = [size for (_, size, _), all_step in zip(gathered, tied) if not all_step]
     moving = max([a + b for a, b in zip(others, others[1:])] or others or [0])
     activations, recompute = activation_plan(config, layout)
-    e = 2 if layout.dtype == "bfloat16" else 4
+    e = layout.bytes
     fsdp = layout.strategy in ("fsdp", "2d")
     logits = layout.micro_batch * config.block_size * config.padded_vocab_size // (
         layout.tp if layout.tp > 1 and layout.loss_parallel else 1)
@@ -293,6 +327,13 @@ def plan_memory(config, layout, sliced=None, units=None, buckets=None):
                      if layout.reshard else sum(size for _, size, _ in gathered)))
         rows.append(("a unit's gradients, copied into its float32 reduce-scatter buffer",
                      max((size + 4 * n for n, size, _ in gathered), default=0)))
+    if layout.strategy == "ep":  # train_ep.py: the all-to-alls' buffers, the gradients' flat all-reduces
+        sizes = local_sizes(config, ep=layout.ep)
+        experts = sum(n for name, n in sizes.items() if is_expert(name))
+        rows += [("dispatch: one layer's rows sent and received (compute dtype)", e * config.n_embd * int(
+                     layout.micro_batch * config.block_size * config.n_expert_per_token * (1 + layout.expert_load))),
+                 ("the larger flat gradient all-reduced: shared or experts'", 4 * max(sum(sizes.values()) - experts,
+                                                                                       experts))]
     rows.append(("logits and their gradient", logits * (e + 4)))
     return rows
 
@@ -319,7 +360,7 @@ def context_parallel_attention(config, layout):
     """(item, bytes) context-parallel attention saves a layer beyond one device's on s / cp tokens: the all-gather
     every other rank's keys and values (of this rank's KV heads under tp) and, on CPU, two boolean masks, chunk i's
     queries x (i+1) chunks of keys; the ring its float32 output, where the compute dtype is not float32 already."""
-    s, b, e = config.block_size, layout.micro_batch, 2 if layout.dtype == "bfloat16" else 4
+    s, b, e = config.block_size, layout.micro_batch, layout.bytes
     if layout.cp_impl == "allgather":
         chunk, kv = s // (2 * layout.cp), config.n_kv_head * config.head_dim // layout.tp
         return ("every rank's keys and values, gathered", 2 * b * (s - s // layout.cp) * kv * e
@@ -371,12 +412,10 @@ def stage_plan(config, layout, stage, layers, schedule):
     per_micro_batch = activations["activations of the blocks"]
     per_micro_batch += sum(activations.get(item, 0) for item, held_here in ends.items() if held_here)
     per_micro_batch += activations.get("embeddings and final layer norm", 0)  # one stage of one
-    e = 2 if layout.dtype == "bfloat16" else 4
-    rows = [(f"stage {stage} of {layout.pp} ({len(held)} blocks): parameters (float32)", 4 * params),
-            ("gradients (float32)", 4 * params),
-            ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * len(names)),
-            (f"activations of {in_flight} micro-batch{'es' * (in_flight > 1)} in flight ({layout.schedule})",
-             in_flight * per_micro_batch)]
+    e = layout.bytes
+    rows = model_states(params, len(names), f"stage {stage} of {layout.pp} ({len(held)} blocks): ")
+    rows += [(f"activations of {in_flight} micro-batch{'es' * (in_flight > 1)} in flight ({layout.schedule})",
+              in_flight * per_micro_batch)]
     if e == 2:
         rows.append(("bfloat16 weight copies, one a micro-batch in flight (autocast)", in_flight * 2 * cast))
     if recompute:
@@ -390,13 +429,15 @@ def stage_plan(config, layout, stage, layers, schedule):
     return rows
 
 
-def pipeline_plan(config, layout, layers, schedule):
-    """The plan of the pipeline stage that needs the most memory (layers, schedule: train_pp.py's functions)."""
-    if layers is None or schedule is None:
-        raise ValueError("a pipeline layout needs the strategy's own split and schedule: pass "
-                         "layers=train_pp.stage_layers, schedule=train_pp.schedule")
-    plans = [stage_plan(config, layout, stage, layers, schedule) for stage in range(layout.pp)]
-    return max(plans, key=lambda rows: sum(size for _, size in rows))
+def fullest_stage(config, layout, layers, schedule, sliced=None):
+    """The plan of the pipeline stage that needs the most memory, train_pp.py's or (layout "4d") train_4d.py's (layers,
+    schedule: train_pp.py's functions; sliced: train_tp.py's)."""
+    if layers is None or schedule is None or (layout.tp > 1 and sliced is None):
+        raise ValueError("a pipeline layout needs the strategies' own rules: pass layers=train_pp.stage_layers, "
+                         "schedule=train_pp.schedule (and with --tp, sliced=train_tp.is_sliced)")
+    plan = partial(four_d_stage_plan, sliced=sliced) if layout.strategy == "4d" else stage_plan
+    return max((plan(config, layout, stage, layers, schedule) for stage in range(layout.pp)),
+               key=lambda rows: sum(size for _, size in rows))
 
 
 def four_d_flats(config, layout, stage, layers):
@@ -455,7 +496,7 @@ def four_d_terms(config, layout, stage, layers, schedule, sliced, backend, bucke
     gradients (each flat's padding on its last shard) summed over TP."""
     first, last, m, fsdp = stage == 0, stage == layout.pp - 1, layout.micro_batches, layout.dp_impl == "fsdp"
     held = len(layers(config.n_layer, layout.pp, stage))
-    tokens, e = layout.micro_batch * config.block_size // layout.cp, 2 if layout.dtype == "bfloat16" else 4
+    tokens, e = layout.micro_batch * config.block_size // layout.cp, layout.bytes
     ranks, world = layout.dp * layout.cp, layout.world_size
     terms = tensor_parallel_terms(replace(config, n_layer=held), tokens, m, e, layout.tp, backend,
                                   layout.sequence_parallel, True, embedding=first, head=last)
@@ -501,7 +542,7 @@ def four_d_terms(config, layout, stage, layers, schedule, sliced, backend, bucke
     return terms + [Term("gradient norm", "all_reduce", "world" if fsdp else "model", 1,
                          sent("all_reduce", 4, norm, backend)),
                     Term("whether the gradient norm is finite and a rank was asked to stop", "all_reduce", "world", 1,
-                         sent("all_reduce", 8, world, backend)),
+                         sent("all_reduce", 4 * (2 + config.n_layer * config.n_expert), world, backend)),
                     Term("the logged loss", "all_reduce", "world", 1, sent("all_reduce", 4, world, backend))]
 
 
@@ -524,7 +565,7 @@ def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
     names = [name for unit in four_d_flats(config, layout, stage, layers) for flat, _ in unit for name in flat]
     params = sum(n for unit in shards for n, _ in unit)
     tensors = sum(map(len, shards)) if fsdp else len(names)  # AdamW's step: one a FlatParameter, or a parameter
-    e = 2 if layout.dtype == "bfloat16" else 4
+    e = layout.bytes
     gathered = [sum(n * (e if cast else 4) for n, cast in unit) * ranks for unit in shards]  # bytes, as train_fsdp
     root, rest = gathered[0], [size for size in gathered[1:] if size]  # the blocks (and wte's unit) in run order
     order = schedule(layout.schedule, stage, layout.pp, layout.micro_batches)
@@ -544,12 +585,10 @@ def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
     per_micro_batch += sum(size for item, size in activations.items() if ends.get(item))
     tokens = layout.micro_batch * config.block_size // layout.cp
     vocab = config.padded_vocab_size // layout.tp
-    rows = [(f"stage {stage} of {layout.pp} ({len(held)} blocks), " + (f"shards of 1/{ranks}: " if fsdp else "DDP: ")
-             + "parameters (float32)", 4 * params),
-            ("gradients (float32)", 4 * params),
-            ("AdamW state (exp_avg, exp_avg_sq, step; float32)", 8 * params + 4 * tensors),
-            (f"activations, {in_flight} micro-batch{'es' * (in_flight > 1)} in flight ({layout.schedule}) of "
-             f"{tokens // layout.micro_batch} tokens", in_flight * per_micro_batch)]
+    rows = model_states(params, tensors, f"stage {stage} of {layout.pp} ({len(held)} blocks), "
+                        + (f"shards of 1/{ranks}: " if fsdp else "DDP: "))
+    rows += [(f"activations, {in_flight} micro-batch{'es' * (in_flight > 1)} in flight ({layout.schedule}) of "
+              f"{tokens // layout.micro_batch} tokens", in_flight * per_micro_batch)]
     sizes = local_sizes(config, layout.tp, sliced)
     head = sizes["wte.weight"] if last and config.tie_embeddings else 0  # the tied LM head: wte, gathered float32
     cast = head if fsdp else sum(sizes[name] for name in names if is_matmul_weight(name, config)
@@ -573,15 +612,6 @@ def four_d_stage_plan(config, layout, stage, layers, schedule, sliced):
     if last:
         rows.append(("logits' vocabulary slice and their gradient", tokens * vocab * (e + 4)))
     return rows
-
-
-def four_d_plan(config, layout, layers, schedule, sliced):
-    """The plan of train_4d.py's fullest stage (layers, schedule: train_pp.py's; sliced: train_tp.py's)."""
-    if layers is None or schedule is None or (layout.tp > 1 and sliced is None):
-        raise ValueError("a 4-D layout needs the strategies' own rules: pass layers=train_pp.stage_layers, "
-                         "schedule=train_pp.schedule, sliced=train_tp.is_sliced")
-    plans = [four_d_stage_plan(config, layout, stage, layers, schedule, sliced) for stage in range(layout.pp)]
-    return max(plans, key=lambda rows: sum(size for _, size in rows))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -693,17 +723,36 @@ def zero_terms(config, steps, dp, backend, stage, bucket_mb, buckets):
 
 def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float32", backend="gloo", tp=1, dp=1,
                  sequence_parallel=False, loss_parallel=True, reshard=True, bucket_mb=25, sliced=None, units=None,
-                 buckets=None, stage=1, replicate=1, cp=1, cp_impl="allgather"):
-    """[Term]: every collective one optimizer step of `strategy` (ddp, zero, fsdp, tp, 2d) runs on one rank, with the
-    bytes that rank sends (ring algorithms, on `backend`), over `dp` data-parallel and `tp` tensor-parallel ranks
-    (zero: ZeRO's `stage`; fsdp: HSDP's `replicate` copies of dp / replicate shards). The broadcast that makes DDP's
-    replicas equal and the fingerprint check run once at start, not per step. sliced, units and buckets: the
+                 buckets=None, stage=1, replicate=1, cp=1, cp_impl="allgather", ep=1, expert_load=1,
+                 activation_checkpointing=False):
+    """[Term]: every collective one optimizer step of `strategy` (ddp, zero, fsdp, tp, 2d, cp, ep) runs on one rank,
+    with the bytes that rank sends (ring algorithms, on `backend`), over `dp` data-parallel and `tp` tensor-parallel
+    ranks (zero: ZeRO's `stage`; fsdp: HSDP's `replicate` copies of dp / replicate shards). The broadcast that makes
+    DDP's replicas equal and the fingerprint check run once at start, not per step. sliced, units and buckets: the
     strategies' own functions (train_tp.is_sliced, train_fsdp.flat_parameter_groups, train_ddp.assign_buckets). cp:
-    `cp` context-parallel ranks a data-parallel rank (cp_impl: allgather or ring), gradients averaged over all."""
-    micro_batch = micro_batch or global_batch // dp
-    steps = global_batch // (micro_batch * dp)  # micro-steps an optimizer step
+    `cp` context-parallel ranks a data-parallel rank (cp_impl: allgather or ring), gradients averaged over all. ep:
+    `dp` replicas of `ep` expert-parallel ranks, each on its own rows (expert_load: the rows its experts receive over
+    the mean; activation_checkpointing: the recomputed forward exchanges again)."""
+    micro_batch = micro_batch or global_batch // (dp * ep)
+    steps = global_batch // (micro_batch * dp * ep)  # micro-steps an optimizer step
     compute = 2 if dtype == "bfloat16" else 4
     terms = []
+    if strategy == "ep":  # per layer and micro-step: the counts, then the rows there and back, each way backward too
+        sizes, forwards = local_sizes(config), steps * config.n_layer * (1 + activation_checkpointing)
+        both = forwards + steps * config.n_layer
+        experts = sum(n for name, n in sizes.items() if is_expert(name))
+        rows = micro_batch * config.block_size * config.n_expert_per_token * config.n_embd * compute  # bytes
+        terms += [Term("tokens per expert, before each dispatch (int64)", "all_to_all", "ep", forwards,
+                       forwards * sent("all_to_all", 8 * config.n_expert, ep, backend)),
+                  Term("rows to their experts' ranks (dispatch), and back the combine's gradient", "all_to_all", "ep",
+                       both, both * sent("all_to_all", rows, ep, backend)),
+                  Term("the experts' outputs back (combine), and the dispatch's gradient", "all_to_all", "ep", both,
+                       both * sent("all_to_all", int(rows * expert_load), ep, backend)),
+                  Term("shared parameters' gradients, one flat all-reduce", "all_reduce", "world", 1,
+                       sent("all_reduce", 4 * (sum(sizes.values()) - experts), ep * dp, backend)),
+                  Term("this rank's experts' gradients, one flat all-reduce over their replicas", "all_reduce", "dp",
+                       1, sent("all_reduce", 4 * experts // ep, dp, backend)),
+                  Term("gradient norm: the experts' squares", "all_reduce", "ep", 1, sent("all_reduce", 4, ep, backend))]
     if strategy in ("ddp", "cp"):
         if buckets is None:
             raise ValueError("a DDP layout needs the strategy's own buckets: pass buckets=train_ddp.assign_buckets")
@@ -729,11 +778,11 @@ def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float3
     if strategy in ("zero", "fsdp", "tp", "2d"):  # the gradient norm's sum of squares: over every rank's own part
         terms.append(Term("gradient norm", "all_reduce", "world", 1,
                           sent("all_reduce", 4, tp * dp // replicate, backend)))  # HSDP: one shard group has all
-    if strategy in ("ddp", "zero", "fsdp", "2d", "cp"):  # TP peers hold the whole batch's loss already
-        terms.append(Term("the logged loss", "all_reduce", "dp", 1, sent("all_reduce", 4, dp * cp, backend)))
-    if strategy in ("ddp", "zero", "fsdp", "tp", "2d", "cp"):  # training.StopRequest: whether to stop, and why
-        terms.append(Term("whether the gradient norm is finite and a rank was asked to stop", "all_reduce", "world",
-                          1, sent("all_reduce", 8, tp * dp * cp, backend)))
+    if strategy != "tp":  # TP peers hold the whole batch's loss already
+        terms.append(Term("the logged loss", "all_reduce", "dp", 1, sent("all_reduce", 4, dp * cp * ep, backend)))
+    flags = 4 * (2 + config.n_layer * config.n_expert)  # training.StopRequest.agreed's; a mixture's loads too
+    terms.append(Term("whether the gradient norm is finite and a rank was asked to stop", "all_reduce", "world", 1,
+                      sent("all_reduce", flags, tp * dp * cp * ep, backend)))
     return terms
 
 
@@ -745,7 +794,7 @@ def format_bytes(size):
     return f"{size / 1e9:,.2f} GB" if size >= 1e9 else f"{size / 1e6:,.1f} MB"
 
 
-def plan_verdict(total, gpu_memory_gb, layout, rows):
+def plan_verdict(total, gpu_memory_gb, layout, rows, n_expert=0):
     """One line: whether `total` bytes fit in gpu_memory_gb (10^9 bytes), and if not what to change."""
     budget = gpu_memory_gb * 1e9
     if total <= budget:
@@ -758,11 +807,14 @@ def plan_verdict(total, gpu_memory_gb, layout, rows):
         advice.append("a smaller --micro_batch")
     if "activations" not in largest or not advice:
         advice.append("train_fsdp.py or a larger --dp" if layout.strategy in ("single", "ddp", "zero", "tp")
-                      else "a larger --pp" if layout.strategy == "pp" else "a larger --tp (train_2d.py) or more GPUs")
+                      else "a larger --pp" if layout.strategy == "pp" else "a larger --tp (train_2d.py) or more GPUs"
+                      if layout.strategy != "ep" else "a larger --ep" if layout.ep < n_expert else
+                      "sharding the weights further than one expert a rank (train_ep.py does not)")
     return f"does not fit: needs {total / 1e9:.1f} GB; try {' or '.join(advice)}"
 
 
 LLAMA3_VOCAB_SIZE = 128256  # Llama 3's tokenizer: 128,000 BPE tokens and 256 special ones
+OWN_VOCAB_SIZE = {"mixtral-8x7b": 32000, "mixtral-8x22b": 32768}  # Mistral's tokenizers (v1, v3)
 
 
 def plan_config(args):
@@ -770,9 +822,9 @@ def plan_config(args):
     tokenizer's (Llama 3's 128,256 tokens for a Llama preset, GPT-2's 50,257 for another) for a folder not prepared
     yet and for the default corpus, whose bytes are the CPU presets' alone: nobody trains GPT-3 on bytes."""
     preset = args.model or (args.init_from if args.init_from in gpt.PRESETS else "tiny")
-    own = LLAMA3_VOCAB_SIZE if gpt.PRESETS[preset].get("rope_theta") else 50257
+    own = OWN_VOCAB_SIZE.get(preset, LLAMA3_VOCAB_SIZE if gpt.PRESETS[preset].get("rope_theta") else 50257)
     if args.data == prepare_data.DEFAULT_DATA_DIR:
-        vocab_size = 256 if preset in ("tiny", "llama-tiny") else own
+        vocab_size = 256 if preset.endswith("tiny") else own
     elif os.path.exists(os.path.join(args.data, "meta.json")):
         vocab_size = prepare_data.load_meta(args.data)["vocab_size"]
     else:
@@ -792,18 +844,22 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
                        "cpu" if args.device == "cpu" else "cuda")
     if layout.tp > 1:
         training.check_tensor_parallel(config, layout.tp, layout.sequence_parallel)
-    if layout.strategy == "pp":
-        rows = pipeline_plan(config, layout, layers, schedule)
-    elif layout.strategy == "4d":
-        rows = four_d_plan(config, layout, layers, schedule, sliced)
+    if layout.strategy in ("pp", "4d"):
+        rows = fullest_stage(config, layout, layers, schedule, sliced)
     else:
         rows = plan_memory(config, layout, sliced, units, buckets)
     total = sum(size for _, size in rows)
-    num_params = model_on_meta(config).num_params()
-    size = f"{num_params / 1e9:,.1f}B" if num_params >= 1e9 else f"{num_params / 1e6:,.1f}M"
+    sizes = local_sizes(config)
+    idle = sum(n for name, n in sizes.items() if is_expert(name)) * (1 - config.n_expert_per_token / max(
+        config.n_expert, 1))  # the experts a token does not run
+    size = lambda n: f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"  # noqa: E731
     say = print if training.launched_rank()[0] == 0 else lambda text: None  # under torchrun, once
-    say(f"plan: {preset} ({size} parameters, vocabulary {config.vocab_size:,}) | {layout.strategy}"
-        f" on {world_size} rank{'s' * (world_size > 1)} (dp {layout.dp} x tp {layout.tp}"
+    grid = f"ep {layout.ep} x dp {world_size // layout.ep}" if layout.strategy == "ep" else \
+        f"dp {layout.dp} x tp {layout.tp}"
+    say(f"plan: {preset} ({size(sum(sizes.values()))} parameters"
+        + f", {size(sum(sizes.values()) - idle)} active a token, top {config.n_expert_per_token} of "
+          f"{config.n_expert} experts" * bool(config.n_expert) + f", vocabulary {config.vocab_size:,}) | "
+        f"{layout.strategy} on {world_size} rank{'s' * (world_size > 1)} ({grid}"
         + f" x cp {layout.cp}, {layout.cp_impl}" * (layout.cp > 1)
         + f" x pp {layout.pp}, {layout.schedule}" * (layout.pp > 1) + ") | micro batch "
         f"{layout.micro_batch} x {config.block_size} tokens | {layout.dtype}"
@@ -813,7 +869,12 @@ def print_plan(args, world_size, dp_size, sliced=None, units=None, layers=None, 
         + " | sequence parallel" * layout.sequence_parallel + " | DDP" * (layout.dp_impl == "ddp"))
     for item, size in rows + [("total, one rank", total)]:
         say(f"  {item:66} {format_bytes(size):>11}")
-    say(plan_verdict(total, args.gpu_memory, layout, rows))
+    say(plan_verdict(total, args.gpu_memory, layout, rows, config.n_expert))
+    if layout.strategy == "ep":  # the worst router: every token to k experts of one rank (or to all it holds)
+        worst = layout.ep * min(config.n_expert_per_token, config.n_expert // layout.ep) / config.n_expert_per_token
+        more = sum(size for _, size in plan_memory(config, layout._replace(expert_load=worst))) - total
+        say(f"if the router sends every token to one rank's experts ({worst:g}x the rows), that rank holds "
+            f"{format_bytes(more)} more: it " + plan_verdict(total + more, args.gpu_memory, layout, rows, config.n_expert))
     node = min(GPUS_PER_NODE, world_size)  # ranks sharing a host
     if layout.cpu_offload and layout.strategy in ("fsdp", "2d"):
         host = host_plan(config, layout, units, sliced)

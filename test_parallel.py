@@ -3818,6 +3818,8 @@ PLANNED = {  # script, ranks, extra flags, the Layout's (strategy, dp, tp) and o
     "cp": (train_cp.main, 2, dict(cp=2), ("cp", 1, 1), dict(cp=2)),
     "llama-cp-ring": (train_cp.main, 2, dict(model="llama-tiny", cp=2, cp_impl="ring"), ("cp", 1, 1),
                       dict(cp=2, cp_impl="ring")),
+    # a mixture of experts: the router's probabilities, each (token, expert) row's input, hidden tensors and output
+    "moe-single": (train_single.main, 1, dict(model="moe-tiny"), ("single", 1, 1), {}),
 }
 ACTIVATION_TOLERANCE = 0.10  # the issue's bound; measured: float32 within 0.01% (a storage a few bytes larger),
 # bfloat16 within 0.5% (autocast's copies of biases, which the plan counts and addmm does not save)
@@ -7681,3 +7683,130 @@ def test_ep_bench_measures_what_the_formula_says(corpus, tmp_path):
     assert row["collectives"] == sum(term.count for term in terms), terms
     assert row["comm_bytes"] == sum(term.bytes for term in terms), terms
     assert row["state_bytes"] == table["ep"].states()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A mixture of experts in the planner, and expert parallelism's plan and formula (train_ep.py): the presets' shapes,
+# one rank's plan against what a run holds, the all-to-alls a step, and the plan the docs print.
+
+def plan_of_train_ep(argv):
+    """train_ep.py --plan: every rank draws its own rows, so the rows split over the whole world. Without the script
+    (a checkout that lacks it), the same path through its flags."""
+    if os.path.exists(os.path.join(HERE, "train_ep.py")):
+        return importlib.import_module("train_ep").main(argv)
+    parser = training.get_parser("", "ep")
+    parser.add_argument("--ep", type=training.positive_int)
+    parser.add_argument("--dp", type=training.positive_int)
+    args = training.parse(parser, argv)
+    return plan.print_plan(args, args.world_size or 1, args.world_size or 1)
+
+
+@pytest.mark.parametrize("preset, vocab_size, every, active, header", [
+    ("mixtral-8x7b", 32000, 46_702_792_704, 12_748_853_248, "46.7B parameters, 12.9B active a token"),
+    ("mixtral-8x22b", 32768, 140_630_071_296, 38_960_142_336, "140.6B parameters, 39.2B active a token")])
+def test_mixtral_presets_have_the_published_shapes(capsys, tmp_path, preset, vocab_size, every, active, header):
+    """Mixtral's parameters (Hugging Face's config.json, Mistral's vocabularies), and those a token multiplies (2 of
+    the 8 experts, no embedding lookup: num_params(with_embeddings=False)); the plan's first line counts the
+    embeddings in, as the model cards' 12.9B and 39B do. On meta: a second."""
+    model = plan.model_on_meta(gpt.make_config(preset, vocab_size, 4096))
+    assert (model.num_params(), model.num_params(with_embeddings=False)) == (every, active)
+    code, printed = command_line(plan_of_train_ep, ["--plan", "--model", preset, "--world_size", "8", "--data",
+                                                    str(tmp_path / "not_prepared")], capsys)
+    assert code == 0 and f"({header}, top 2 of 8 experts, vocabulary {vocab_size:,}) | ep on 8 ranks (ep 8 x dp 1)" \
+        in printed, printed
+
+
+def test_expert_parallel_plan_and_formula():
+    """One rank of train_ep.py holds the shared parameters whole and n_expert / ep of each layer's experts, their
+    gradients and AdamW's moments; its experts run, on average, the b·s·k rows its tokens send; a router that sends
+    every token to one rank's experts costs that rank the rows of ep ranks. A step's all-to-alls, per layer and
+    micro-step: the counts and the rows there and back forward, the rows' gradients back and there backward (the
+    recompute's forward once more under activation checkpointing); the gradients' two flat all-reduces, each over the
+    ranks that hold that kind."""
+    config = gpt.make_config("moe-tiny", 256, 32)
+    L, E, k, h, f = config.n_layer, config.n_expert, config.n_expert_per_token, config.n_embd, config.mlp_hidden
+    expert = 3 * h * f  # gate, fc, proj
+    whole = dict(plan.plan_memory(config, plan.Layout("single", 1, 1, 1, 2)))
+    for ep in (1, 2, 4, 8):
+        rows = dict(plan.plan_memory(config, plan.Layout("ep", 8, 8, 1, 2, ep=ep)))
+        assert rows["parameters (float32)"] == whole["parameters (float32)"] - 4 * L * expert * (E - E // ep)
+        assert rows["dispatch: one layer's rows sent and received (compute dtype)"] == 2 * (2 * 32 * k) * h * 4
+    balanced = sum(dict(plan.plan_memory(config, plan.Layout("ep", 2, 2, 1, 2, ep=2))).values())
+    skewed = sum(dict(plan.plan_memory(config, plan.Layout("ep", 2, 2, 1, 2, ep=2, expert_load=2))).values())
+    per_row = 4 * (h + 4 * f) + 16  # the rows' inputs, SwiGLU's four, their order there and back (float32)
+    assert skewed - balanced == 2 * 32 * k * (L * per_row + h * 4)  # and one layer's received rows
+    terms = plan.comm_formula("ep", config, 16, micro_batch=2, ep=2, dp=2)  # 2 micro-steps, 4 ranks
+    tokens = 2 * 2 * 32 * k * h * 4 * 1 / 2  # 2 micro-steps' rows, (ep - 1) / ep of them to the other rank
+    assert [(term.kind, term.group, term.count) for term in terms][:3] == [
+        ("all_to_all", "ep", 2 * L), ("all_to_all", "ep", 4 * L), ("all_to_all", "ep", 4 * L)]
+    assert [term.bytes for term in terms][1:3] == [2 * L * tokens, 2 * L * tokens]
+    shared = sum(plan.local_sizes(config).values()) - L * E * expert
+    assert [term.bytes for term in terms][3:5] == [4 * shared * 2 * 3 / 4, 4 * L * E // 2 * expert * 2 * 1 / 2]
+    checkpointed = plan.comm_formula("ep", config, 16, micro_batch=2, ep=2, dp=2, activation_checkpointing=True)
+    assert [term.count for term in checkpointed][:3] == [4 * L, 6 * L, 6 * L]
+    assert terms[-1].bytes == 2 * 3 / 4 * 4 * (2 + L * E)  # the step's agreement carries the experts' loads
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_layer_saves_what_the_plan_counts(dtype):
+    """What one gpt.MoE layer saves for backward (saved-tensor hooks, each storage once), under CPU's autocast in
+    bfloat16: plan.moe_activations, with the router's own cast of its input and autocast's copies of the experts' and
+    the router's weights. A width unlike n_embd tells the rows' inputs from the MLP's hidden tensors. 0.1 s."""
+    config = dataclasses.replace(gpt.make_config("moe-tiny", 256, 32), mlp_hidden=96)
+    moe = gpt.MoE(config, 0)
+    x = torch.randn(2, 32, config.n_embd, requires_grad=True)
+    ours = {p.untyped_storage().data_ptr() for p in moe.parameters()} | {x.untyped_storage().data_ptr()}
+    saved = {}
+
+    def keep(tensor):
+        if tensor.untyped_storage().data_ptr() not in ours:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), \
+            torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):
+        moe(x)
+    planned = plan.moe_activations(config, plan.Layout("single", 1, 1, 1, 2, dtype, device="cpu"))
+    if dtype == "bfloat16":
+        planned += 2 * 2 * 32 * config.n_embd + 2 * sum(p.numel() for p in moe.parameters())
+    assert sum(saved.values()) == planned
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation-checkpointing"])
+def test_expert_parallel_plan_matches_what_a_run_holds(corpus, shared_tmp, checkpointing):
+    """train_ep.py at ep 2 (moe-tiny, float32, one step): each rank's parameters, gradients and AdamW state are the
+    plan's to the byte. A rank's experts run the rows this step's router sent them, the plan the mean: the two ranks'
+    first micro-batch's activations add up to twice the plan's (measured: within 40 bytes, each rank 9% off it;
+    checkpointed, within the plan tests' tolerance), and
+    neither exceeds the plan of a router that sends every token to one rank. Skipped where train_ep.py is not in the
+    checkout. About 15 s."""
+    train_ep = pytest.importorskip("train_ep")
+    argv = flags(corpus, shared_tmp, model="moe-tiny", max_steps=1, activation_checkpointing=checkpointing, ep=2)
+    held = run_distributed(2, _memory_held, train_ep.main, argv)
+    layout = plan.Layout("ep", 2, 2, 1, 2, activation_checkpointing=checkpointing, device="cpu", ep=2)
+    config = gpt.make_config("moe-tiny", 256, 32)
+    kinds = ("activations", "embeddings", "loss")
+    planned, worst = [{item: size for item, size in plan.plan_memory(config, layout._replace(expert_load=load))}
+                      for load in (1, 2)]
+    for rank in held:
+        assert (planned["parameters (float32)"], planned["gradients (float32)"]) == (rank["parameters"],
+                                                                                     rank["gradients"])
+        assert planned["AdamW state (exp_avg, exp_avg_sq, step; float32)"] == rank["optimizer"]
+        assert rank["activations"] <= sum(size for item, size in worst.items() if item.startswith(kinds))
+    activations = sum(size for item, size in planned.items() if item.startswith(kinds))
+    print(f"ep 2: activations planned {activations:,} bytes a rank, measured {[r['activations'] for r in held]}")
+    measured = sum(rank["activations"] for rank in held)  # checkpointed: the blocks' inputs, as the other layouts'
+    assert abs(2 * activations - measured) <= (ACTIVATION_TOLERANCE * measured if checkpointing else 64)
+
+
+def test_the_expert_parallel_plans_the_docs_print_are_what_plan_prints(capsys, monkeypatch, tmp_path):
+    """Every `$ python train_ep.py --plan ...` the docs show, run as written through plan_of_train_ep (a ```text
+    block: test_the_plans_the_docs_print_are_what_plan_prints imports each script it runs, which a checkout without
+    train_ep.py lacks): it prints the docs' lines, to the digit. 3 s."""
+    monkeypatch.chdir(tmp_path)
+    shown = [block for text in documentation().values()
+             for block in re.findall(r"```text\n(\$ python train_ep\.py --plan .*?)```", text, re.S)]
+    assert shown
+    for block in shown:
+        command, *expected = block.replace("\\\n", " ").splitlines()
+        code, printed = command_line(plan_of_train_ep, shlex.split(command)[3:], capsys)
+        assert code == 0 and printed.splitlines() == expected, f"{command}\nprints\n{printed}"
