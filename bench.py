@@ -240,52 +240,6 @@ def model_states(config, layout):
     return sum(size for item, size in rows if item.startswith(("parameters", "gradients", "AdamW")))
 
 
-def expert_parallel_terms(config, global_batch, micro_batch=None, ep=2, dp=1, dtype="float32", backend="gloo",
-                          received=None):
-    """[plan.Term] of one optimizer step of train_ep.py on one rank: per MoE layer and micro-step, the per-expert
-    counts (int64), then an all-to-all of the rank's (token, chosen expert) pairs to their experts (dispatch) and one
-    of the pairs its experts received back (combine), in the compute dtype; backward, the same two the other way.
-    received: the pairs this rank's experts get in a step, all layers and micro-steps (the log's tokens_per_expert of
-    its experts); by default as many as it sends, as a balanced router gives. Then the gradients: the shared ones
-    over the world, the experts' over their dp replicas (none at dp 1), the norm's experts over the ep group, the
-    step's agreement (flags and every layer's loads) and the logged loss. plan.py's formulas do not know ep yet."""
-    micro_batch = micro_batch or global_batch // (ep * dp)
-    steps = global_batch // (micro_batch * ep * dp)  # micro-steps an optimizer step
-    layers, world = steps * config.n_layer, ep * dp
-    pairs = layers * micro_batch * config.block_size * config.n_expert_per_token  # sent, all layers and micro-steps
-    received = pairs if received is None else received
-    row = config.n_embd * (2 if dtype == "bfloat16" else 4)  # the bytes of a token's activations
-    sizes = plan.local_sizes(config)
-    expert = sum(n for name, n in sizes.items() if ".experts." in name) // ep
-    shared = sum(n for name, n in sizes.items() if ".experts." not in name)
-    flags = 4 * (2 + config.n_layer * config.n_expert)
-    terms = [plan.Term("tokens per expert, before each dispatch", "all_to_all", "ep", layers,
-                       layers * plan.sent("all_to_all", 8 * config.n_expert, ep, backend)),
-             plan.Term("this rank's tokens to their experts, forward; their outputs' gradients, backward",
-                       "all_to_all", "ep", 2 * layers, 2 * plan.sent("all_to_all", pairs * row, ep, backend)),
-             plan.Term("its experts' outputs back, forward; their inputs' gradients back, backward", "all_to_all",
-                       "ep", 2 * layers, 2 * plan.sent("all_to_all", received * row, ep, backend)),
-             plan.Term("shared parameters' gradients", "all_reduce", "world", 1,
-                       plan.sent("all_reduce", 4 * shared, world, backend))]
-    if dp > 1:
-        terms.append(plan.Term("experts' gradients, over their replicas", "all_reduce", "dp", 1,
-                               plan.sent("all_reduce", 4 * expert, dp, backend)))
-    return terms + [
-        plan.Term("gradient norm of the experts", "all_reduce", "ep", 1, plan.sent("all_reduce", 4, ep, backend)),
-        plan.Term("whether to stop, and every layer's tokens per expert", "all_reduce", "world", 1,
-                  plan.sent("all_reduce", flags, world, backend)),
-        plan.Term("the logged loss", "all_reduce", "world", 1, plan.sent("all_reduce", 4, world, backend))]
-
-
-def expert_parallel_states(config, ep):
-    """Bytes of parameters, gradients and AdamW state one rank of train_ep.py holds: everything but the experts, and
-    1/ep of those."""
-    sizes = plan.local_sizes(config)
-    held = {name: n for name, n in sizes.items() if ".experts." not in name or
-            int(name.split(".experts.")[1].split(".")[0]) < config.n_expert // ep}  # as rank 0's
-    return sum(size for _, size in plan.model_states(sum(held.values()), len(held)))
-
-
 def strategies(args):
     """name -> Strategy, at this benchmark's model, batch, dtype and backend."""
     meta = prepare_data.ensure_data(args.data, is_writer=True)
@@ -337,8 +291,8 @@ def strategies(args):
                        2, lambda: plan.four_d_terms(config, four_d, backend=backend, **stage_0),  # every group of 2
                        lambda: sum(size for _, size in plan.four_d_stage_plan(config, four_d, **stage_0)[:3])),
         "ep": Strategy("train_ep.py", 2, ["--ep", "2"] + moe_model, [None], 2,  # PyTorch core has no expert parallel
-                       lambda: expert_parallel_terms(moe, args.global_batch, ep=2, dtype=args.dtype, backend=backend),
-                       lambda: expert_parallel_states(moe, 2)),
+                       lambda: plan.comm_formula("ep", moe, args.global_batch, dtype=args.dtype, backend=backend, ep=2),
+                       lambda: model_states(moe, plan.Layout("ep", 2, 1, 1, 1, ep=2))),
     }
 
 
@@ -481,7 +435,7 @@ def compare(args, table, chosen, tmp):
             print(f"{name:20} {term.kind:14} {term.group:5} {term.count:4d} {term.bytes / 2**20:9.3f}  {term.what}")
     if "ep" in chosen:
         print("note: ep's combine carries what its experts received, which the router decides: the formula assumes "
-              "balance (bench.expert_parallel_terms takes the received count; test_parallel.py's test gives it)")
+              "balance (plan.comm_formula's expert_load scales it; test_parallel.py's test gives the step's)")
     if backend == "gloo":
         print("note: gloo runs reduce_scatter_tensor as an all-reduce of the whole input (its profiler trace shows "
               "gloo:all_reduce), sending twice what NCCL's ring reduce-scatter sends; the formulas count it so.")

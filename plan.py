@@ -747,12 +747,12 @@ def comm_formula(strategy, config, global_batch, micro_batch=None, dtype="float3
                   Term("rows to their experts' ranks (dispatch), and back the combine's gradient", "all_to_all", "ep",
                        both, both * sent("all_to_all", rows, ep, backend)),
                   Term("the experts' outputs back (combine), and the dispatch's gradient", "all_to_all", "ep", both,
-                       both * sent("all_to_all", int(rows * expert_load), ep, backend)),
+                       round(both * sent("all_to_all", rows * expert_load, ep, backend))),
                   Term("shared parameters' gradients, one flat all-reduce", "all_reduce", "world", 1,
-                       sent("all_reduce", 4 * (sum(sizes.values()) - experts), ep * dp, backend)),
-                  Term("this rank's experts' gradients, one flat all-reduce over their replicas", "all_reduce", "dp",
-                       1, sent("all_reduce", 4 * experts // ep, dp, backend)),
-                  Term("gradient norm: the experts' squares", "all_reduce", "ep", 1, sent("all_reduce", 4, ep, backend))]
+                       sent("all_reduce", 4 * (sum(sizes.values()) - experts), ep * dp, backend))]
+        terms += [Term("this rank's experts' gradients, one flat all-reduce over their replicas", "all_reduce", "dp",
+                       1, sent("all_reduce", 4 * experts // ep, dp, backend))] * (dp > 1)  # whole at --dp 1
+        terms += [Term("gradient norm: the experts' squares", "all_reduce", "ep", 1, sent("all_reduce", 4, ep, backend))]
     if strategy in ("ddp", "cp"):
         if buckets is None:
             raise ValueError("a DDP layout needs the strategy's own buckets: pass buckets=train_ddp.assign_buckets")

@@ -4762,6 +4762,7 @@ COPIED_WITH = {  # script -> the files beside it that its default run needs (REA
     "train_cp.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_ddp.py"],
     "train_4d.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py", "train_tp.py", "train_fsdp.py",
                     "train_pp.py", "train_cp.py", "train_ddp.py"],
+    "train_ep.py": ["gpt.py", "training.py", "checkpoint.py", "prepare_data.py"],
 }
 
 
@@ -7666,7 +7667,7 @@ def test_ep_bad_layout_is_refused_on_every_rank_before_any_collective(corpus, tm
 @launches_its_own_ranks
 def test_ep_bench_measures_what_the_formula_says(corpus, tmp_path):
     """What rank 0 of train_ep.py --ep 2 (moe-tiny, bfloat16, 2 micro-batches of 2) sends in one step, read from the
-    profiler by bench.py, is bench.expert_parallel_terms to the byte, given the pairs its experts received in that step
+    profiler by bench.py, is plan.comm_formula's to the byte, given the pairs its experts received in that step
     (the log's tokens per expert of experts 0-3): the counts, the dispatch and the combine, forward and backward, each
     carrying 2 bytes an element (a combine or a gradient sent in float32 would not match), and the step's all-reduces;
     and its parameters, gradients and AdamW state are the formula's: the shared parameters and 4 of 8 experts."""
@@ -7678,8 +7679,9 @@ def test_ep_bench_measures_what_the_formula_says(corpus, tmp_path):
                          str(tmp_path))
     with open(tmp_path / "ep-None-2-8" / "metrics.jsonl") as f:
         loads = next(r["tokens_per_expert"] for r in map(json.loads, f) if r.get("step") == 2)  # the profiled step
-    terms = bench.expert_parallel_terms(gpt.make_config("moe-tiny", 256, 32), 8, 2, dtype="bfloat16",
-                                        received=sum(sum(layer[:4]) for layer in loads))
+    sent = 2 * 32 * 2 * 4 * 2  # (token, expert) pairs a step: micro-batch 2 x 32 tokens x top 2, 4 layers, 2 steps
+    terms = plan.comm_formula("ep", gpt.make_config("moe-tiny", 256, 32), 8, 2, dtype="bfloat16", ep=2,
+                              expert_load=sum(sum(layer[:4]) for layer in loads) / sent)
     assert row["collectives"] == sum(term.count for term in terms), terms
     assert row["comm_bytes"] == sum(term.bytes for term in terms), terms
     assert row["state_bytes"] == table["ep"].states()
@@ -7796,17 +7798,3 @@ def test_expert_parallel_plan_matches_what_a_run_holds(corpus, shared_tmp, check
     print(f"ep 2: activations planned {activations:,} bytes a rank, measured {[r['activations'] for r in held]}")
     measured = sum(rank["activations"] for rank in held)  # checkpointed: the blocks' inputs, as the other layouts'
     assert abs(2 * activations - measured) <= (ACTIVATION_TOLERANCE * measured if checkpointing else 64)
-
-
-def test_the_expert_parallel_plans_the_docs_print_are_what_plan_prints(capsys, monkeypatch, tmp_path):
-    """Every `$ python train_ep.py --plan ...` the docs show, run as written through plan_of_train_ep (a ```text
-    block: test_the_plans_the_docs_print_are_what_plan_prints imports each script it runs, which a checkout without
-    train_ep.py lacks): it prints the docs' lines, to the digit. 3 s."""
-    monkeypatch.chdir(tmp_path)
-    shown = [block for text in documentation().values()
-             for block in re.findall(r"```text\n(\$ python train_ep\.py --plan .*?)```", text, re.S)]
-    assert shown
-    for block in shown:
-        command, *expected = block.replace("\\\n", " ").splitlines()
-        code, printed = command_line(plan_of_train_ep, shlex.split(command)[3:], capsys)
-        assert code == 0 and printed.splitlines() == expected, f"{command}\nprints\n{printed}"

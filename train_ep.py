@@ -148,6 +148,7 @@ def main(argv=None):
     parser.add_argument("--ep", type=training.positive_int, help="expert-parallel size (default: world size / --dp)")
     parser.add_argument("--dp", type=training.positive_int, help="replicas of the experts (default: world / --ep)")
     args = training.parse(parser, argv)
+    args.model = args.model or (None if args.init_from else "moe-tiny")  # a mixture of experts by default
 
     # ---- process groups: dp replicas of ep consecutive ranks; every rank trains on its own rows of the batch
     rank, local_rank, world_size = training.launched_rank(args)
