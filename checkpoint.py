@@ -52,9 +52,10 @@ class Part(NamedTuple):
 
 def parameter_parts(model):
     """The Part of every parameter: whole, or a slice where its module says so in a `boxes` dict, parameter name ->
-    (full shape, box) (train_tp.py's layers). A tied parameter is listed once, under its first name."""
+    (full shape, box) (train_tp.py's layers). A tied parameter is listed once, under its first name. Buffers too (a
+    mixture of experts' balancing bias), whole: alike on every rank, saved and resumed as the weights are."""
     parts = []
-    for name, param in model.named_parameters():
+    for name, param in [*model.named_parameters(), *model.named_buffers()]:
         module_name, _, param_name = name.rpartition(".")
         boxes = getattr(model.get_submodule(module_name), "boxes", {})
         shape, box = boxes.get(param_name, (param.shape, [(0, n) for n in param.shape]))
@@ -256,8 +257,9 @@ class Checkpoint:
                                       f"run's {asdict(config)}; use a new --out_dir, or the --model, --block_size "
                                       "and --dropout it was saved with")
         for name, shape in shapes.items():
-            pieces = self.pieces.get(name, [])
-            covered = sum(p["flat"][1] - p["flat"][0] for p in pieces if tuple(p["shape"]) == tuple(shape))
+            # A piece several ranks hold alike (an FSDP run's buffers) may be stored by each: counted once
+            spans = {(p["box"], p["flat"]) for p in self.pieces.get(name, []) if tuple(p["shape"]) == tuple(shape)}
+            covered = sum(stop - start for _, (start, stop) in spans)
             if covered != math.prod(shape):
                 raise ValueError(f"checkpoint {self.path!r}: tensor {name} {tuple(shape)} covers {covered} of its "
                                  f"{math.prod(shape)} elements (another model, or a rank file missing or truncated)")
@@ -302,13 +304,13 @@ def load(checkpoint, parts, optimizer, config):
     layout. Everything is checked first: a refused checkpoint leaves the model as it was."""
     shapes = {part.name: part.shape for part in parts}
     with_moments = optimizer is not None and f"exp_avg/{parts[0].name}" in checkpoint.pieces
-    if with_moments:
-        shapes.update({f"{m}/{name}": shape for name, shape in list(shapes.items()) for m in MOMENTS})
+    if with_moments:  # of every parameter; a buffer has none
+        shapes.update({f"{m}/{part.name}": part.shape for part in parts if part.tensor.requires_grad for m in MOMENTS})
     checkpoint.check(config, shapes)
     moments = {}
     for part in parts:
         part.local().copy_(checkpoint.region(part.name, part.box, part.flat))
-        if with_moments:
+        if with_moments and part.tensor.requires_grad:
             if part.tensor not in moments:
                 moments[part.tensor] = (torch.zeros_like(part.tensor), torch.zeros_like(part.tensor))
             for buffer, moment in zip(moments[part.tensor], MOMENTS):

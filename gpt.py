@@ -235,7 +235,7 @@ class MoE(nn.Module):
         self.top_k, self.balance_rate = config.n_expert_per_token, config.balance_rate
         self.layer, self.n_layer = layer, config.n_layer  # where this layer's loads go in training.py's sum
         self.register_buffer("expert_bias", torch.zeros(config.n_expert))
-        self.register_buffer("tokens_per_expert", torch.zeros(config.n_expert), persistent=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(config.n_expert))  # zero at every step's end
 
     def forward(self, x):
         tokens = x.flatten(0, 1)

@@ -3347,6 +3347,7 @@ def _load_and_run(layout, folder, idx):
         hugging_face.HuggingFaceCheckpoint.read, hugging_face.safe_open = real_read, real_open
     parts = ([checkpoint.Part(*where) for where in model.parts()] if hasattr(model, "parts")
              else checkpoint.parameter_parts(model.stage.model if layout == "pp" else model))
+    parts = [part for part in parts if part.tensor.requires_grad]  # the weights read, not a mixture's buffers
     with torch.no_grad():
         logits, loss = model(idx[:, :-1])[..., :config.vocab_size], model(idx[:, :-1], idx[:, 1:])
     part_sizes = [(part.name, part.flat[1] - part.flat[0], math.prod(b - a for a, b in part.box[1:])) for part in parts]
@@ -7472,16 +7473,18 @@ def test_transformers_computes_our_mixtral_logits(mixtral_like):
 
 def test_train_single_starts_from_a_mixtral_and_export_writes_it_back(corpus, tmp_path, mixtral_like):
     """train_single.py --init_from the sharded Mixtral folder: one step at learning rate 0 saves exactly the stored
-    tensors, and the loss logged at step 0 is MixtralForCausalLM's on its batch. export.py writes that checkpoint back
-    as the folder held it: the same names, shapes and values (float32 here, bfloat16 there), and a config.json of
-    MixtralForCausalLM that reads back as the run's model."""
+    tensors (and, beside them, the experts' balancing biases and loads), and the loss logged at step 0 is
+    MixtralForCausalLM's on its batch. export.py writes that checkpoint back as the folder held it: the same names,
+    shapes and values (float32 here, bfloat16 there; no balancing bias, which Mixtral's router has not), and a
+    config.json of MixtralForCausalLM that reads back as the run's model."""
     folder, tensors, hf = mixtral_like
     train_single.main(flags(corpus, tmp_path / "run", model=None, init_from=folder, max_steps=1, lr=0, min_lr=0,
                             global_batch=4, micro_batch=4))
     run = read_run(tmp_path / "run")
     config = hugging_face.config_from_hugging_face(hf, 32, 0.0)
     expected = gpt_weights_from_hugging_face_mixtral(tensors, config)
-    assert run.weights.keys() == expected.keys()
+    balancing = {name for name in run.weights if name.endswith(("mlp.expert_bias", "mlp.tokens_per_expert"))}
+    assert run.weights.keys() - balancing == expected.keys() and len(balancing) == 2 * config.n_layer
     for name, weight in expected.items():
         np.testing.assert_array_equal(run.weights[name], weight.numpy(), err_msg=name)
     x, y = training.BatchSampler(os.path.join(corpus, "train.bin"), 32, 4, 4, 0, 1, 1234, torch.device("cpu")).get(0, 0)
@@ -7602,18 +7605,15 @@ def test_ep_resumes_from_and_into_other_layouts(corpus, shared_tmp, tmp_path_fac
     """One run of 6 steps of 8 sequences of moe-tiny, checkpointed every 2: expert parallel on 2 ranks crashes at step
     3; 2 x 2 data-parallel replicas resume from step 2 (each reading its 4 experts) and crash at step 5; one device
     resumes from step 4 and finishes: train_single's 6 steps, and its tokens per expert at every step. The balancing
-    biases stay at zero here (balance_rate 0): the checkpoint holds parameters and AdamW's moments, not gpt.MoE's
-    expert_bias buffer, so a resumed run restarts them at zero in every layout (measured at 16 sequences a step: the
-    resumed step 2's loss 4.5698, uninterrupted 4.5696)."""
+    biases move every step, and a checkpoint holds them (gpt.MoE's expert_bias buffer, a whole part written once): a
+    resumed run restarting them at zero would route other tokens to other experts after its first step."""
     argv = lambda **layout: flags(corpus, shared_tmp, model="moe-tiny", global_batch=8, ckpt_interval=2,  # noqa: E731
                                   **layout)
-    frozen = lambda main: partial(_moe_trained, main, balance_rate=0.0)  # noqa: E731
-    assert run_distributed(2, _train_until, frozen(train_ep.main), 3, argv(ep=2)) == ["crashed"] * 2
-    assert run_distributed(4, _train_until, frozen(train_ep.main), 5, argv(ep=2, dp=2, resume=True)) == \
-        ["crashed"] * 4
+    assert run_distributed(2, _train_until, train_ep.main, 3, argv(ep=2)) == ["crashed"] * 2
+    assert run_distributed(4, _train_until, train_ep.main, 5, argv(ep=2, dp=2, resume=True)) == ["crashed"] * 4
     with one_thread():
-        frozen(train_single.main)(argv(resume=True))
-    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, balance_rate=0.0, global_batch=8)
+        train_single.main(argv(resume=True))
+    reference, expected_loads, _, _ = moe_run(corpus, tmp_path_factory, 0, global_batch=8)
     with open(os.path.join(shared_tmp, "metrics.jsonl")) as f:
         records = {r["step"]: r["tokens_per_expert"] for r in map(json.loads, f) if "loss" in r}
     assert [records[step] for step in sorted(records)] == expected_loads

@@ -54,14 +54,16 @@ def zero_redundancy(model, device, args):
     checkpoint parts this rank writes). PyTorch assigns whole parameters to ranks (greedily, largest first) and
     broadcasts them after its step; each rank writes the parameters it steps, with their moments."""
     ddp_model = ZeroRedundancyDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                           bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+                                           bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True,
+                                           broadcast_buffers=False)  # as data_parallel's
     decay, no_decay = training.decay_groups(model.parameters())
     optimizer = ZeroRedundancyOptimizer([{"params": decay, "weight_decay": args.weight_decay},
                                          {"params": no_decay, "weight_decay": 0.0}], torch.optim.AdamW,
                                         lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)  # make_optimizer's
     optimizer.state = optimizer.optim.state  # this rank's moments, where checkpoint.pieces looks for them
     stepped = {param for group in optimizer.optim.param_groups for param in group["params"]}
-    return ddp_model, optimizer, [part for part in checkpoint.parameter_parts(model) if part.tensor in stepped]
+    parts = checkpoint.parameter_parts(model)  # the parameters it steps, and the buffers, alike on every rank
+    return ddp_model, optimizer, [part for part in parts if part.tensor in stepped or not part.tensor.requires_grad]
 
 
 @torch.no_grad()
@@ -178,7 +180,7 @@ def full_tensors(model, optimizer, master):
     """Checkpoint pieces of a model of DTensors (and plain tensors beside them): each parameter and AdamW moment
     gathered whole (a collective every rank joins), written by rank 0."""
     tensors = {}
-    for name, param in model.named_parameters():
+    for name, param in [*model.named_parameters(), *model.named_buffers()]:  # buffers: a mixture's balancing state
         state = optimizer.state.get(param, {})
         moments = [(f"{moment}/{name}", state[moment]) for moment in ("exp_avg", "exp_avg_sq") if moment in state]
         for key, tensor in [(name, param)] + moments:

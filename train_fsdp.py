@@ -185,8 +185,8 @@ class FullyShardedDataParallel(nn.Module):
             self._parts += flat.materialise(shard, initial_value, tp_boxes or {})
             flat.take_over()
         self.shards = nn.ParameterList(flat.shard for flat in self.flats)  # the module's parameters, sharded
-        for buffer in module.to_empty(device=device).buffers():  # all it holds now (a mixture's balancing state)
-            buffer.zero_()
+        for name, b in module.to_empty(device=device).named_buffers():  # all it holds now: a mixture's balancing state
+            self._parts.append((name, b.shape, [(0, n) for n in b.shape], (0, b.numel()), b.zero_(), 0))  # whole
         # Kept gathered from forward to backward (so plan.py counts): the last unit, and one holding a tied weight (wte)
         self.keep = [index == len(holders) - 1 or any(len(param.uses) > 1 for flat in unit for param in flat.params)
                      for index, unit in enumerate(self.units)]
