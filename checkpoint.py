@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 from dataclasses import asdict
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -119,22 +120,20 @@ def save_shard(out_dir, step, rank, tensors, rng_state):
 def publish(out_dir, step, world_size, meta, keep=0):
     """Rank 0, after every rank's save_shard: write meta, rename the folder into place, repoint `latest`, delete all
     but the `keep` newest (0: keep all). A crash at any moment leaves `latest` naming a complete checkpoint."""
-    tmp = os.path.join(out_dir, f"ckpt-{step:07d}.tmp")
-    final = os.path.join(out_dir, f"ckpt-{step:07d}")
+    final, pointer = os.path.join(out_dir, f"ckpt-{step:07d}"), os.path.join(out_dir, "latest")
     meta = dict(meta, step=step, files=[f"rank{r:05d}.pt" for r in range(world_size)])
-    torch.save(meta, os.path.join(tmp, "meta.pt"))
+    torch.save(meta, os.path.join(final + ".tmp", "meta.pt"))
     if os.path.exists(final) and final != latest(out_dir):
         shutil.rmtree(final)  # left by a run that crashed between this rename and the next line's
-    os.rename(tmp, final)
-    with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
+    os.rename(final + ".tmp", final)
+    with open(pointer + ".tmp", "w") as f:
         f.write(os.path.basename(final))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+    os.replace(pointer + ".tmp", pointer)
     # Older than this one by step; a newer one is left by a run resumed from before it, and is overwritten later.
-    older = sorted(name for name in os.listdir(out_dir)
-                   if re.fullmatch(r"ckpt-\d{7}", name) and name < os.path.basename(final))
-    for name in older[:max(0, len(older) - (keep - 1))] if keep else []:
+    before = older(final)
+    for name in before[:max(0, len(before) - keep + 1)] if keep else []:
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
@@ -222,13 +221,19 @@ def to_resume(args):
     return path
 
 
+def older(path):
+    """The names of the checkpoints beside checkpoint `path` with a lower step, oldest first."""
+    out_dir, name = os.path.split(path)
+    return sorted(n for n in os.listdir(out_dir) if re.fullmatch(r"ckpt-\d{7}", n) and n < name)
+
+
 def older_advice(path):
     """What to do about a broken checkpoint: point `latest` at the newest one before it, if there is one."""
-    out_dir, name = os.path.split(path)
-    older = sorted(n for n in os.listdir(out_dir) if re.fullmatch(r"ckpt-\d{7}", n) and n < name)
-    if not older:
+    before = older(path)
+    if not before:
         return f"delete {path!r} to start afresh"
-    return f"point `latest` at the one before it (echo {older[-1]} > {os.path.join(out_dir, 'latest')}) or delete it"
+    pointer = os.path.join(os.path.dirname(path), "latest")
+    return f"point `latest` at the one before it (echo {before[-1]} > {pointer}) or delete it"
 
 
 class Checkpoint:
@@ -265,21 +270,24 @@ class Checkpoint:
                                  f"{math.prod(shape)} elements (another model, or a rank file missing or truncated)")
 
     def region(self, name, box, flat):
-        """Elements [flat[0], flat[1]) of the flattened full[box] of tensor `name` (a Part's), copied out of only the
-        stored pieces' overlap with it: the files are mapped, and what a rank does not read stays on disk."""
-        rows, columns = as_matrix(box)
-        width = columns[1] - columns[0]
-        top, bottom = rows[0] + flat[0] // width, rows[0] - (-flat[1] // width)  # the rows the part touches
-        window = torch.empty(bottom - top, width, dtype=self.pieces[name][0]["data"].dtype)
+        """Elements [flat[0], flat[1]) of the flattened full[box] of tensor `name` (a Part's), read from the rows of
+        box that hold them."""
+        return training.flat_range(partial(self.window, name), box, flat)
+
+    def window(self, name, box):
+        """full[box] of tensor `name`, copied out of only the stored pieces' overlap with it: the files are mapped, and
+        what a rank does not read stays on disk."""
+        (top, bottom), (left, right) = as_matrix(box)
+        window = torch.empty(bottom - top, right - left, dtype=self.pieces[name][0]["data"].dtype)
         for p in self.pieces[name]:
             for row, column, values in rectangles(p["box"], p["flat"], p["data"]):
                 first, last = max(row, top), min(row + len(values), bottom)  # the overlap with the window
-                start, stop = max(column, columns[0]), min(column + values.shape[1], columns[1])
+                start, stop = max(column, left), min(column + values.shape[1], right)
                 if first < last and start < stop:
                     copied = values[first - row:last - row, start - column:stop - column]
-                    window[first - top:last - top, start - columns[0]:stop - columns[0]] = copied
+                    window[first - top:last - top, start - left:stop - left] = copied
                     self.elements_read += copied.numel()
-        return window.view(-1)[flat[0] % width:flat[0] % width + flat[1] - flat[0]]
+        return window
 
 
 def as_matrix(box):  # a vector is a matrix of one column
@@ -291,8 +299,9 @@ def rectangles(box, flat, data):
     matrix, a partial first row, whole rows and a partial last row: (first row, first column, values)."""
     (rows, columns), (start, stop) = as_matrix(box), flat
     width = columns[1] - columns[0]
-    whole = (-(-start // width) * width, stop // width * width)  # the whole rows' flat range
-    for begin, end in [(start, stop)] if whole[0] > whole[1] else [(start, whole[0]), whole, (whole[1], stop)]:
+    first_end = min(-(-start // width) * width, stop)  # the end of the first row, or of a piece within one row
+    last_start = max(stop // width * width, first_end)  # the start of the last row, unless the first has it all
+    for begin, end in [(start, first_end), (first_end, last_start), (last_start, stop)]:
         if begin < end:  # a partial row's elements, or whole rows of the box's width
             values = data[begin - start:end - start].view(-1, min(width, end - begin))
             yield rows[0] + begin // width, columns[0] + begin % width, values
@@ -312,16 +321,15 @@ def load(checkpoint, parts, optimizer, config):
         part.local().copy_(checkpoint.region(part.name, part.box, part.flat))
         if with_moments and part.tensor.requires_grad:
             if part.tensor not in moments:
-                moments[part.tensor] = (torch.zeros_like(part.tensor), torch.zeros_like(part.tensor))
-            for buffer, moment in zip(moments[part.tensor], MOMENTS):
+                moments[part.tensor] = {moment: torch.zeros_like(part.tensor) for moment in MOMENTS}
+            for moment, buffer in moments[part.tensor].items():
                 part.local(buffer).copy_(checkpoint.region(f"{moment}/{part.name}", part.box, part.flat))
     if moments:
         # Through load_state_dict: AdamW puts the step count where its implementation (fused, foreach) wants it.
         state_dict = optimizer.state_dict()
         index = {p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
-        for param, (exp_avg, exp_avg_sq) in moments.items():
-            state_dict["state"][index[param]] = {"step": torch.tensor(float(checkpoint.meta["step"])),
-                                                 "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        for param, state in moments.items():
+            state_dict["state"][index[param]] = dict(state, step=torch.tensor(float(checkpoint.meta["step"])))
         optimizer.load_state_dict(state_dict)
 
 

@@ -170,36 +170,32 @@ class CausalSelfAttention(nn.Module):
         self.use_flash = False  # set by set_attention()
 
     def forward(self, x, rope=None):
-        q, k, v = self.query(x), self.key(x), self.value(x)
-        # Sizes come from q, not x, and heads are inferred (-1): under tensor parallelism q holds only this
+        # Heads are inferred (-1) from the projections' outputs, not x: under tensor parallelism they hold only this
         # rank's heads, and under sequence parallelism x holds only a slice of the sequence.
-        B, T, _ = q.shape
-        q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
+        q, k, v = (linear(x).unflatten(-1, (-1, self.head_dim)) for linear in (self.query, self.key, self.value))
         if rope is not None:  # Llama: positions enter as rotations of q and k, so scores depend on distance only
             q, k = rotate(q, rope), rotate(k, rope)
-        y = self.attend(q, k, v)
-        return self.resid_dropout(self.proj(y.reshape(B, T, -1)))
+        return self.resid_dropout(self.proj(self.attend(q, k, v).flatten(2)))
 
     def attend(self, q, k, v):
         """Causal attention of q [B, T, n_head, head_dim] to k and v [B, T, n_kv_head, head_dim] -> [B, T, n_head,
         head_dim]. A method of its own so that a strategy can replace it (train_cp.py's attention over other ranks'
         keys and values)."""
-        T = q.shape[1]
-        if self.training and self.attn_dropout.p > 0:
+        dropout = self.training and self.attn_dropout.p > 0
+        if self.use_flash and not dropout:  # flash-attn shares each key/value head among its query heads itself
+            return flash_attn_func(q, k, v, causal=True)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if dropout:
             # nanoGPT's explicit attention: attn_dropout, a module a strategy can replace, sees the [B, heads, T, T]
             # probabilities, which backward keeps (the fused kernels below would draw their masks inside)
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            T = q.shape[2]
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))  # each KV head's queries
             causal = torch.full((T, T), -math.inf, device=q.device).triu(1)  # no position sees a later one
             att = F.softmax(q @ k.transpose(-2, -1) * self.head_dim**-0.5 + causal, dim=-1)
-            y = (self.attn_dropout(att) @ v).transpose(1, 2)
-        elif self.use_flash:  # flash-attn shares each key/value head among its query heads itself
-            y = flash_attn_func(q, k, v, causal=True)
+            y = self.attn_dropout(att) @ v
         else:
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-            y = y.transpose(1, 2)
-        return y
+        return y.transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -212,10 +208,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        if self.gate is None:
-            hidden = F.gelu(self.fc(x), approximate="tanh")
-        else:
-            hidden = F.silu(self.gate(x)) * self.fc(x)
+        hidden = F.gelu(self.fc(x), approximate="tanh") if self.gate is None else F.silu(self.gate(x)) * self.fc(x)
         return self.dropout(self.proj(hidden))
 
 
@@ -266,7 +259,7 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, layer=0):
+    def __init__(self, config, layer):
         super().__init__()
         self.ln_1 = norm(config)
         self.attn = CausalSelfAttention(config)
@@ -354,9 +347,8 @@ def initial_value(name, shape, config, seed, box=None):
     box = tuple((0, n) for n in shape) if box is None else tuple(box)
     if name.endswith("bias") or ".ln_" in name or name.startswith("ln_"):
         return torch.full([stop - start for start, stop in box], float(not name.endswith("bias")))
-    std = 0.02
-    if name.endswith("proj.weight"):
-        std /= math.sqrt(2 * config.n_layer)  # GPT-2: residual projections scaled by 1/sqrt(2 n_layer)
+    # GPT-2: residual projections scaled by 1/sqrt(2 n_layer)
+    std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("proj.weight") else 0.02
     (top, bottom), (left, right) = box  # every drawn parameter is a matrix
     first_row, first_column = top - top % INIT_TILE[0], left - left % INIT_TILE[1]
     rows = []
@@ -405,5 +397,4 @@ def flops_per_token(config, num_params):
     attention's smaller key and value among them, the LM head once (tied, it is wte), no position table; and
     12·L·H·Q·T for attention scores and values over the H query heads of size Q (each computes its own, whatever
     key/value head it shares) and a context of T tokens."""
-    c = config
-    return 6 * num_params + 12 * c.n_layer * c.n_head * c.head_dim * c.block_size
+    return 6 * num_params + 12 * config.n_layer * config.n_head * config.head_dim * config.block_size

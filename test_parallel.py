@@ -715,7 +715,7 @@ def test_fsdp_optimizer_groups_by_parameter_name():
 
 @one_thread()
 def test_validation_loss_is_the_mean_over_the_validation_batches(corpus):
-    """estimate_loss is the cross-entropy of every token of --eval_iters global validation batches, computed here on
+    """evaluate is the cross-entropy of every token of --eval_iters global validation batches, computed here on
     each whole batch at once: the same at accumulation 16, 4 and 1, with dropout off (0.5 here: any mask would show),
     and it leaves the model training."""
     model = gpt.GPT(gpt.make_config("tiny", vocab_size=256, block_size=32, dropout=0.5))
@@ -729,7 +729,8 @@ def test_validation_loss_is_the_mean_over_the_validation_batches(corpus):
         sampler = training.BatchSampler(os.path.join(corpus, "val.bin"), block_size=32, global_batch=16,
                                         micro_batch=micro_batch, dp_rank=0, dp_size=1, seed=1234,
                                         device=torch.device("cpu"))
-        assert training.estimate_loss(model, sampler, 2, contextlib.nullcontext()) == pytest.approx(expected, rel=1e-6)
+        args = argparse.Namespace(eval_interval=1, max_steps=1, eval_iters=2)
+        assert training.evaluate(0, args, model, sampler, contextlib.nullcontext()) == pytest.approx(expected, rel=1e-6)
         assert model.training
 
 

@@ -236,9 +236,7 @@ def say_once(line, code, wait=True):
 
 def launched_rank(args=None):
     """(RANK, LOCAL_RANK, WORLD_SIZE) as torchrun sets them (a plain `python` start: 0, 0, 1); --plan's --world_size."""
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if args is not None and args.plan and args.world_size:
-        world_size = args.world_size
+    world_size = args.world_size if args and args.plan and args.world_size else int(os.environ.get("WORLD_SIZE", 1))
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), world_size
 
 
@@ -248,7 +246,7 @@ def get_device(args, local_rank=0):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is visible; use --device cpu")
     device = torch.device("cpu")
-    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+    if args.device != "cpu" and torch.cuda.is_available():
         # LOCAL_RANK indexes the node's GPUs, unless the launcher shows each process only its own
         device = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0)
         torch.cuda.set_device(device)
@@ -328,20 +326,20 @@ class StopRequest:
 
     def agreed(self, grad_norm, model):
         """(whether the gradient norm is not finite, whether any rank has received a signal): the same answers on
-        every rank. Built on the device (torch.full, not torch.tensor, which would wait for it to copy the value).
+        every rank. Built on the device (set in place, not torch.tensor, which would wait for it to copy the values).
         A mixture of experts' loads travel with them: summed over the ranks, they balance every gpt.MoE alike."""
-        received = torch.full((), float(bool(self.received)), device=grad_norm.device)
         moe = [module for module in model.modules() if isinstance(module, gpt.MoE)]
         shape = (moe[0].n_layer, len(moe[0].expert_bias)) if moe else (0, 0)
-        loads = torch.zeros(shape, device=received.device)
+        flags = torch.zeros(2 + math.prod(shape), device=grad_norm.device)
+        flags[0], flags[1] = ~torch.isfinite(grad_norm), bool(self.received)
+        self.expert_load = flags[2:].view(shape)  # a view: the all-reduce below sums the loads in place
         for module in moe:  # a pipeline stage holds some layers: the others' rows stay zero
-            loads[module.layer] = module.tokens_per_expert
-        flags = torch.cat([torch.stack([(~torch.isfinite(grad_norm)).float(), received]), loads.flatten()])
+            self.expert_load[module.layer] = module.tokens_per_expert
         if dist.is_initialized():
             dist.all_reduce(flags)  # a sum: the flags are 0 or more, the loads add up
         for module in moe:
-            module.balance(flags[2:].view(shape)[module.layer])
-        diverged, stopping, *self.expert_load = flags.tolist()  # the host waits here for the step's backward, once
+            module.balance(self.expert_load[module.layer])
+        diverged, stopping = flags[:2].tolist()  # the host waits here for the step's backward, once
         return diverged > 0, stopping > 0
 
     def stop(self, saved_step, out_dir):
@@ -382,9 +380,8 @@ class BatchSampler:
     def get(self, step, micro_step):
         # A fresh memmap per batch: a long-lived one keeps every page it touched resident.
         data = np.memmap(self.path, dtype=self.dtype, mode="r")
-        starts = self.offsets(step)[list(self.rows(micro_step))]
-        windows = np.stack([data[s:s + self.block_size + 1] for s in starts]).astype(np.int64)
-        batch = torch.from_numpy(windows)
+        starts = self.offsets(step)[self.rows(micro_step)]
+        batch = torch.from_numpy(np.stack([data[s:s + self.block_size + 1] for s in starts]).astype(np.int64))
         if self.device.type == "cuda":
             batch = batch.pin_memory().to(self.device, non_blocking=True)
         return batch[:, :-1], batch[:, 1:]
@@ -422,13 +419,19 @@ def initial_values(config, seed, init_from=None):
         box = tuple((0, n) for n in shape) if box is None else tuple(box)
         if flat is None:
             return read(name, shape, box)
-        width = math.prod(stop - start for start, stop in box[1:])  # elements in a row of the box
-        first, last = flat[0] // width, -(-flat[1] // width)  # the rows that hold the flat range
-        (start, _), *columns = box
-        rows = read(name, shape, ((start + first, start + last), *columns)).reshape(-1)
-        return rows[flat[0] - first * width:flat[1] - first * width]
+        return flat_range(lambda rows: read(name, shape, rows), box, flat)
 
     return value
+
+
+def flat_range(read, box, flat):
+    """Elements [flat[0], flat[1]) of the flattened full[box], where read(rows) gives full[rows], rows a box: read only
+    for the rows of box that hold them (initial values, checkpoint.Checkpoint.region: an FSDP shard's part)."""
+    width = math.prod(stop - start for start, stop in box[1:])  # elements in a row of the box
+    first, last = flat[0] // width, -(-flat[1] // width)  # the rows that hold the flat range
+    (start, _), *columns = box
+    rows = read(((start + first, start + last), *columns)).reshape(-1)
+    return rows[flat[0] - first * width:flat[1] - first * width]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -459,10 +462,9 @@ def decay_groups(parameters):
 def make_optimizer(groups, args, device):
     """AdamW over groups = (with weight decay, without). Fused on every device, so the tests run the kernel CUDA runs;
     one group per kind, since a fused step refuses DTensors mixed with plain tensors (--impl torch's TP leaves some)."""
-    kinds = [([p for p in params if isinstance(p, DTensor) == distributed], decay)
+    kinds = [{"params": [p for p in params if isinstance(p, DTensor) == distributed], "weight_decay": decay}
              for params, decay in zip(map(list, groups), (args.weight_decay, 0.0)) for distributed in (False, True)]
-    param_groups = [{"params": params, "weight_decay": decay} for params, decay in kinds if params]
-    return torch.optim.AdamW(param_groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    return torch.optim.AdamW([g for g in kinds if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def wrap_blocks(model, compile=False, activation_checkpointing=False):
@@ -489,25 +491,21 @@ def recomputed(forward):
 # Evaluation and the sample
 
 
-def evaluate(step, args, model, sampler, autocast, dp_group=None):
-    """The validation loss every --eval_interval steps and at the last step; None at the other steps."""
-    if args.eval_interval and (step % args.eval_interval == 0 or step + 1 == args.max_steps):
-        return estimate_loss(model, sampler, args.eval_iters, autocast, dp_group)
-    return None
-
-
 @torch.no_grad()
-def estimate_loss(model, sampler, iters, autocast, dp_group=None):
-    """Mean loss over `iters` global batches of `sampler`: this rank's rows, averaged over dp_group (None: no peers)."""
+def evaluate(step, args, model, sampler, autocast, dp_group=None):
+    """Every --eval_interval steps and at the last step, the mean loss over --eval_iters global batches of `sampler`:
+    this rank's rows, averaged over dp_group (None: no peers); None at the other steps."""
+    if not (args.eval_interval and (step % args.eval_interval == 0 or step + 1 == args.max_steps)):
+        return None
     model.eval()
     total = torch.zeros((), device=sampler.device)
-    for step in range(iters):
+    for batch in range(args.eval_iters):
         for micro_step in range(sampler.accumulation):
-            x, y = sampler.get(step, micro_step)
+            x, y = sampler.get(batch, micro_step)
             with autocast:
                 total += model(x, y).float()
     model.train()
-    total /= iters * sampler.accumulation
+    total /= args.eval_iters * sampler.accumulation
     if dp_group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.AVG, group=dp_group)
     return total.item()
@@ -565,7 +563,7 @@ class Logger:
     """Progress: the console (rank 0, or every rank with --log_all_ranks); from rank 0, metrics.jsonl and trackers."""
 
     def __init__(self, args, config, device, rank=0, world_size=1):
-        self.args, self.device, self.world_size, self.n_layer = args, device, world_size, config.n_layer
+        self.args, self.device, self.world_size = args, device, world_size
         self.writes, self.prints = rank == 0, rank == 0 or args.log_all_ranks
         self.prefix = f"[rank {rank}] " if args.log_all_ranks else ""
         with torch.device("meta"):  # the whole model's counts, whatever part of it this rank holds
@@ -577,7 +575,7 @@ class Logger:
         if self.writes:
             os.makedirs(args.out_dir, exist_ok=True)
         if self.writes and (args.tensorboard or args.wandb):
-            import trackers
+            import trackers  # only here: the optional trackers need their packages
             self.trackers = trackers.Trackers(args)
 
     def print(self, text):
@@ -602,7 +600,7 @@ class Logger:
 
     def log_step(self, step, loss, lr, grad_norm, t0, val_loss=None, expert_load=()):
         """loss: the global batch's mean loss (a 0-d tensor); t0: perf_counter() when the step began; expert_load: a
-        mixture of experts' tokens per expert, layer after layer, over the global batch (StopRequest.agreed's)."""
+        mixture of experts' tokens per expert, [n_layer, n_expert] over the global batch (StopRequest.agreed's)."""
         loss = loss.item()  # waits for the device: the step time below is real
         step_s = time.perf_counter() - t0
         tokens_per_s = self.args.global_batch * self.args.block_size / step_s
@@ -612,15 +610,14 @@ class Logger:
                   "mfu": mfu, "peak_mem_mb": memory, "step_ms": 1000 * step_s}
         if val_loss is not None:
             record["val_loss"] = val_loss
-        if expert_load:  # the busiest expert's tokens over the mean: 1 is balance, n_expert / n_expert_per_token worst
-            load = torch.tensor(expert_load).view(self.n_layer, -1)
-            record["tokens_per_expert"] = load.int().tolist()
-            record["expert_imbalance"] = (load.max(1).values / load.mean(1)).max().item()
+        if len(expert_load):  # the busiest expert's tokens over the mean: 1 is balance, n_expert / top_k the worst
+            record["tokens_per_expert"] = expert_load.int().tolist()
+            record["expert_imbalance"] = (expert_load.max(1).values / expert_load.mean(1)).max().item()
         mfu = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
         self.print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
                    f"{tokens_per_s:,.0f} tok/s | mfu {mfu} | mem {memory:,.0f} MB | {1000 * step_s:.0f} ms"
                    + (f" | val loss {val_loss:.4f}" if val_loss is not None else "")
-                   + (f" | busiest expert {record['expert_imbalance']:.2f}x the mean" if expert_load else ""))
+                   + (f" | busiest expert {record['expert_imbalance']:.2f}x the mean" if len(expert_load) else ""))
         if not self.writes:
             return
         # Strict JSON: a value that is not finite is null (json.dumps would write NaN, which jq and JSON.parse refuse)
