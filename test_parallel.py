@@ -4880,10 +4880,10 @@ def imported_at_module_level(module, found=None):
 
 
 def test_what_a_reader_must_read_is_small():
-    """The design card's afternoon, measured as issue #22 does: train_single.py reaches at most 9,650 Python tokens
-    (twice nanoGPT's model.py and train.py, 8,200, plus what Llama's modules add); every other script at most 980 lines
-    outside the train_*.py files; copying a script drags along at most 1,600 lines; each strategy core names no
-    project module but gpt."""
+    """The design card's afternoon, measured as issue #22 does: train_single.py reaches at most 10,250 Python tokens
+    (twice nanoGPT's model.py and train.py, 8,200, plus what Llama's and the mixture of experts' modules add); every
+    other script at most 1,050 lines outside the train_*.py files; copying a script drags along at most 1,675 lines;
+    each strategy core names no project module but gpt."""
     for script in ["train_single", "train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_cp",
                    "train_4d", "train_ep"]:
         reach = reader_reach(script)
@@ -4900,12 +4900,16 @@ def test_what_a_reader_must_read_is_small():
         # and ~570 tokens that start-up needs to scale with a rank's part (gpt.py's tile-wise init, checkpoint.py's
         # copy of only the overlap, the start line's bytes read), 9,582 tokens and 1,574 lines after it. The context-
         # parallel seam in gpt.py (attend) and the host-offload plan, then training.sampling_hooks (shared by ours and
-        # torch's TP, out of train_tp.py's 400 lines): 9,617 tokens, 979 lines (train_tp.py), 1,600 dragged.
+        # torch's TP, out of train_tp.py's 400 lines): 9,617 tokens, 979 lines (train_tp.py), 1,600 dragged. Issue #44's
+        # mixture of experts (gpt.MoE, its presets, the loads in the step's one agreement and in the log, the balancing
+        # bias in every checkpoint) added ~830 tokens and ~75 lines that every script reaches and a copy drags, a
+        # family of models as Llama was; simplifications beside it (attention's one transpose, the checkpoint's window,
+        # evaluate) paid back 220 tokens: 10,249 tokens, 1,049 lines (train_tp.py), 1,675 dragged.
         if script == "train_single":
-            assert sum(tokens for _, tokens in reach.values()) <= 9650, reach
+            assert sum(tokens for _, tokens in reach.values()) <= 10250, reach
         else:
-            assert outside <= 980, reach
-        assert dragged_lines <= 1600, dragged
+            assert outside <= 1050, reach
+        assert dragged_lines <= 1675, dragged
     for script in ["train_ddp", "train_zero", "train_fsdp", "train_tp", "train_2d", "train_pp", "train_cp", "train_4d",
                    "train_ep"]:
         definitions, imports, _ = _top_level_definitions(script)

@@ -273,8 +273,8 @@ def main(argv=None):
         raise training.UsageError(f"--pp {pp} stages, but the model has {config.n_layer} layers and a stage holds "
                                   f"one at least: choose --pp {config.n_layer} or fewer")
     if config.n_expert and args.impl == "torch":  # its extra pass would count in the experts' loads, not one device's
-        raise training.UsageError("--impl torch: torch's schedules run a first micro-batch twice (shape inference) and a "
-                                  "mixture of experts would count its tokens twice: use --impl ours")
+        raise training.UsageError("--impl torch: torch's schedules run a first micro-batch twice (shape inference) "
+                                  "and a mixture of experts would count its tokens twice: use --impl ours")
     checkpoint_path = checkpoint.to_resume(args)
     rank, world_size, owns_group = training.init_distributed(args, device)
     pipeline_group, dp_group, embedding_group = new_groups(pp, dp)
