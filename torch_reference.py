@@ -8,6 +8,7 @@ only). Each function takes the gpt.GPT a script built on meta (DDP: materialised
 train with the same initial weights, so the scripts' loops run unchanged.
 """
 
+import inspect
 from contextlib import contextmanager
 from functools import partial
 
@@ -30,13 +31,18 @@ import train_tp
 import training
 
 
+# No buffer broadcast before each forward: the only buffers, a mixture of experts' balancing bias and loads, are alike
+# on every rank or each rank's own (torch 2.13 calls the flag forward_sync_buffers, and warns at the old name)
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                  inspect.signature(DistributedDataParallel).parameters else {"broadcast_buffers": False})
+
+
 def data_parallel(model, device, bucket_mb):
     # Buckets as ours: DistributedDataParallel makes its first bucket 1 MiB only when bucket_cap_mb is left at its
     # default (25); a cap passed explicitly would be its first bucket's too, one all-reduce fewer than ours
     cap = None if bucket_mb == 25 else bucket_mb
-    # broadcast_buffers=False: the only buffers, a mixture of experts' bias and loads, are alike or this rank's own
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                   bucket_cap_mb=cap, gradient_as_bucket_view=True, broadcast_buffers=False)
+                                   bucket_cap_mb=cap, gradient_as_bucket_view=True, **NO_BUFFER_SYNC)
 
 
 class ZeroRedundancyDataParallel(DistributedDataParallel):
@@ -55,7 +61,7 @@ def zero_redundancy(model, device, args):
     broadcasts them after its step; each rank writes the parameters it steps, with their moments."""
     ddp_model = ZeroRedundancyDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                            bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True,
-                                           broadcast_buffers=False)  # as data_parallel's
+                                           **NO_BUFFER_SYNC)
     decay, no_decay = training.decay_groups(model.parameters())
     optimizer = ZeroRedundancyOptimizer([{"params": decay, "weight_decay": args.weight_decay},
                                          {"params": no_decay, "weight_decay": 0.0}], torch.optim.AdamW,
@@ -200,7 +206,7 @@ def pipeline_parallel(stage, index, num_stages, device, pipeline_group, dp_group
     # static_graph=True runs but averages other gradients than train_single's (measured: grad norm off by 2%).
     replica = DistributedDataParallel(stage, device_ids=[device] if device.type == "cuda" else None,
                                       process_group=dp_group, gradient_as_bucket_view=True, find_unused_parameters=True,
-                                      broadcast_buffers=False)  # as data_parallel's
+                                      **NO_BUFFER_SYNC)
     runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
         PipelineStage(replica, index, num_stages, device, group=pipeline_group), num_micro_batches,
         loss_fn=lambda logits, targets: stage.model.loss_fn(logits.flatten(0, 1), targets.flatten()))
