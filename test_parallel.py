@@ -6182,13 +6182,14 @@ def hugging_face_llama_logits(tensors, hf, idx):
     and v; RoPE over the two halves of each head (rotate_half) with the llama3 frequencies; each key/value head
     repeated for its query heads (repeat_kv); causal softmax(q·kᵀ / sqrt(head_dim)) · v; o_proj; down_proj(silu(
     gate_proj(x)) · up_proj(x)); the final norm; lm_head, or embed_tokens where tied. The reference every layout
-    that loads a Llama folder is held to."""
+    that loads a Llama folder is held to. A Mixtral's (modeling_mixtral.py) differs in rope_theta's default
+    frequencies and its MLP: mixtral_mlp's."""
     t = {name: tensor.double() for name, tensor in tensors.items()}
     (B, T), H, K, C = idx.shape, hf["num_attention_heads"], hf["num_key_value_heads"], hf["hidden_size"]
     D = C // H
-    rope = hf.get("rope_parameters") or dict(hf["rope_scaling"], rope_theta=hf["rope_theta"])
-    inv_freq = hugging_face_rope_frequencies(rope["rope_theta"], D, rope["factor"], rope["low_freq_factor"],
-                                             rope["high_freq_factor"], rope["original_max_position_embeddings"])
+    rope = hf.get("rope_parameters") or dict(hf.get("rope_scaling") or {}, rope_theta=hf["rope_theta"])
+    scaling = ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"] * ("factor" in rope)
+    inv_freq = hugging_face_rope_frequencies(rope["rope_theta"], D, *[rope[key] for key in scaling])
     freqs = torch.arange(T).float()[:, None] * inv_freq[None]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos().double(), emb.sin().double()
@@ -6206,8 +6207,11 @@ def hugging_face_llama_logits(tensors, hf, idx):
         scores = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(future, -math.inf)
         x = x + (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C) @ w["self_attn.o_proj.weight"].t()
         h = rms_norm(x, w["post_attention_layernorm.weight"])
-        x = x + (F.silu(h @ w["mlp.gate_proj.weight"].t()) * (h @ w["mlp.up_proj.weight"].t())) @ w[
-            "mlp.down_proj.weight"].t()
+        if "num_local_experts" in hf:
+            x = x + mixtral_mlp(h, w, hf)
+        else:
+            x = x + (F.silu(h @ w["mlp.gate_proj.weight"].t()) * (h @ w["mlp.up_proj.weight"].t())) @ w[
+                "mlp.down_proj.weight"].t()
     head = t["model.embed_tokens.weight"] if hf["tie_word_embeddings"] else t["lm_head.weight"]
     return rms_norm(x, t["model.norm.weight"]) @ head.t()
 
@@ -7328,37 +7332,18 @@ def write_hugging_face_mixtral(folder, tensors, n_head=4, n_kv_head=2, files=3, 
     return str(folder)
 
 
-def hugging_face_mixtral_logits(tensors, hf, idx):
-    """MixtralForCausalLM's forward written from transformers' modeling_mixtral.py on its own tensors and config.json,
-    in float64: Llama's attention (RoPE with rope_theta's default frequencies, repeat_kv), then the sparse MLP: the
-    router's softmax over the experts, the top num_experts_per_tok of it renormalised to sum to 1, and each expert's
+def mixtral_mlp(h, w, hf):
+    """MixtralForCausalLM's sparse MLP (modeling_mixtral.py) on one layer's tensors w, in float64: the router's softmax
+    over the experts, the top num_experts_per_tok of it renormalised to sum to 1, and each expert's
     w2(silu(w1(x)) · w3(x)) weighted by it (here every expert runs on every token, weighted 0 where not chosen)."""
-    t = {name: tensor.double() for name, tensor in tensors.items()}
-    (B, T), H, K, C = idx.shape, hf["num_attention_heads"], hf["num_key_value_heads"], hf["hidden_size"]
-    D, E = C // H, hf["num_local_experts"]
-    freqs = torch.arange(T).float()[:, None] * hugging_face_rope_frequencies(hf["rope_theta"], D)[None]
-    cos, sin = torch.cat([freqs, freqs], dim=-1).cos().double(), torch.cat([freqs, freqs], dim=-1).sin().double()
-    rotate_half = lambda x: torch.cat([-x[..., D // 2:], x[..., :D // 2]], dim=-1)  # noqa: E731
-    rms_norm = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + hf["rms_norm_eps"]) * w  # noqa: E731
-    future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    x = t["model.embed_tokens.weight"][idx]
-    for i in range(hf["num_hidden_layers"]):
-        w = {name[len(f"model.layers.{i}."):]: tensor for name, tensor in t.items()
-             if name.startswith(f"model.layers.{i}.")}
-        h = rms_norm(x, w["input_layernorm.weight"])
-        q, k, v = ((h @ w[f"self_attn.{p}_proj.weight"].t()).view(B, T, -1, D).transpose(1, 2) for p in "qkv")
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        k, v = (z[:, :, None].expand(B, K, H // K, T, D).reshape(B, H, T, D) for z in (k, v))  # repeat_kv
-        scores = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(future, -math.inf)
-        x = x + (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C) @ w["self_attn.o_proj.weight"].t()
-        h = rms_norm(x, w["post_attention_layernorm.weight"])
-        routing = (h @ w["block_sparse_moe.gate.weight"].t()).softmax(-1)
-        top, chosen = routing.topk(hf["num_experts_per_tok"], dim=-1)
-        weights = torch.zeros_like(routing).scatter(-1, chosen, top / top.sum(-1, keepdim=True))
-        for e in range(E):
-            expert = lambda name: w[f"block_sparse_moe.experts.{e}.{name}.weight"].t()  # noqa: E731
-            x = x + weights[..., e:e + 1] * ((F.silu(h @ expert("w1")) * (h @ expert("w3"))) @ expert("w2"))
-    return rms_norm(x, t["model.norm.weight"]) @ t["lm_head.weight"].t()
+    routing = (h @ w["block_sparse_moe.gate.weight"].t()).softmax(-1)
+    top, chosen = routing.topk(hf["num_experts_per_tok"], dim=-1)
+    weights = torch.zeros_like(routing).scatter(-1, chosen, top / top.sum(-1, keepdim=True))
+    y = torch.zeros_like(h)
+    for e in range(hf["num_local_experts"]):
+        expert = lambda name: w[f"block_sparse_moe.experts.{e}.{name}.weight"].t()  # noqa: E731
+        y = y + weights[..., e:e + 1] * ((F.silu(h @ expert("w1")) * (h @ expert("w3"))) @ expert("w2"))
+    return y
 
 
 MIXTRAL_STORED = {"mlp.router": "block_sparse_moe.gate", "gate": "w1", "fc": "w3", "proj": "w2"}
@@ -7412,7 +7397,7 @@ def test_hugging_face_mixtral_loads_and_computes_mixtrals_logits(mixtral_like):
     for name, expected in gpt_weights_from_hugging_face_mixtral(tensors, config).items():
         assert torch.equal(value(name, expected.shape), expected), name
     idx = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
-    reference = hugging_face_mixtral_logits(tensors, hf, idx[:, :-1])
+    reference = hugging_face_llama_logits(tensors, hf, idx[:, :-1])
     reference_loss = F.cross_entropy(reference.flatten(0, 1), idx[:, 1:].flatten()).item()
     with open(os.path.join(folder, "model.safetensors.index.json")) as f:
         weight_map = json.load(f)["weight_map"]
@@ -7493,7 +7478,7 @@ def test_train_single_starts_from_a_mixtral_and_export_writes_it_back(corpus, tm
     for name, weight in expected.items():
         np.testing.assert_array_equal(run.weights[name], weight.numpy(), err_msg=name)
     x, y = training.BatchSampler(os.path.join(corpus, "train.bin"), 32, 4, 4, 0, 1, 1234, torch.device("cpu")).get(0, 0)
-    reference = F.cross_entropy(hugging_face_mixtral_logits(tensors, hf, x).flatten(0, 1), y.flatten()).item()
+    reference = F.cross_entropy(hugging_face_llama_logits(tensors, hf, x).flatten(0, 1), y.flatten()).item()
     assert run.losses[0] == pytest.approx(reference, rel=0, abs=LOGITS_TOLERANCE)
     export.export(checkpoint.Checkpoint(checkpoint.latest(tmp_path / "run")), str(tmp_path / "exported"))
     exported = exported_tensors(tmp_path / "exported")
