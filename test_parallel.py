@@ -6158,15 +6158,21 @@ def write_hugging_face_llama(folder, tensors, n_head=4, n_kv_head=2, files=2, ro
     hf.update(dict(rope_parameters=dict(rope, rope_theta=500000.0)) if rope_parameters else
               dict(rope_theta=500000.0, rope_scaling=rope))
     hf.update(config)
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    if files == 1:
-        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        return str(folder)
     shard_of = lambda name: (0 if name.startswith("model.embed") else files - 1 if not name.startswith("model.layers")
                              else int(name.split(".")[2]) * files // n_layer)  # noqa: E731
     weight_map = {name: f"model-{shard_of(name) + 1:05d}-of-{files:05d}.safetensors" for name in tensors}
+    return write_hugging_face_folder(folder, hf, tensors, weight_map if files > 1 else None)
+
+
+def write_hugging_face_folder(folder, hf, tensors, weight_map=None):
+    """config.json `hf`, and the bfloat16 `tensors` in model.safetensors, or in the files weight_map names with
+    model.safetensors.index.json, as save_pretrained() writes them."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    if weight_map is None:
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return str(folder)
     for file in sorted(set(weight_map.values())):
         save_file({name: tensors[name] for name in tensors if weight_map[name] == file}, os.path.join(folder, file),
                   metadata={"format": "pt"})
@@ -7317,19 +7323,9 @@ def write_hugging_face_mixtral(folder, tensors, n_head=4, n_kv_head=2, files=3, 
               sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True,
               vocab_size=vocab_size)
     hf.update(config)
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    names = list(tensors)
-    weight_map = {name: f"model-{k * files // len(names) + 1:05d}-of-{files:05d}.safetensors"
-                  for k, name in enumerate(names)}
-    for file in sorted(set(weight_map.values())):
-        save_file({name: tensors[name] for name in names if weight_map[name] == file}, os.path.join(folder, file),
-                  metadata={"format": "pt"})
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sum(2 * t.numel() for t in tensors.values())}, "weight_map": weight_map},
-                  f, indent=2)
-    return str(folder)
+    weight_map = {name: f"model-{k * files // len(tensors) + 1:05d}-of-{files:05d}.safetensors"
+                  for k, name in enumerate(tensors)}
+    return write_hugging_face_folder(folder, hf, tensors, weight_map)
 
 
 def mixtral_mlp(h, w, hf):
