@@ -20,6 +20,7 @@ import gzip
 import hashlib
 import importlib.util
 import io
+import itertools
 import json
 import math
 import multiprocessing
@@ -6119,9 +6120,12 @@ def test_llama_tp_gradients_are_the_slices_of_single(sequence_parallel, loss_par
 
 
 def hugging_face_llama(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96, vocab_size=256, tied=False,
-                       seed=0):
+                       seed=0, n_expert=0):
     """The tensors of a random Llama as LlamaForCausalLM stores them, by stored name, in bfloat16 as the hub's files
-    hold them: no biases, the norms' gains random around 1 so that a misplaced one shows, no lm_head where tied."""
+    hold them: no biases, the norms' gains random around 1 so that a misplaced one shows, no lm_head where tied. With
+    n_expert, a Mixtral's as MixtralForCausalLM stores them: each MLP block_sparse_moe.gate the router [n_expert,
+    hidden] and each expert's w1 (gate), w3 (up) and w2 (down), the router's weights 10 times the others', so that a
+    token's experts are chosen by clear margins (float32 and float64 pick the same)."""
     kv = n_kv_head * n_embd // n_head
     shapes = {"model.embed_tokens.weight": (vocab_size, n_embd)}
     for i in range(n_layer):
@@ -6129,14 +6133,18 @@ def hugging_face_llama(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate
         shapes.update({layer + "input_layernorm.weight": (n_embd,), layer + "self_attn.q_proj.weight": (n_embd, n_embd),
                        layer + "self_attn.k_proj.weight": (kv, n_embd), layer + "self_attn.v_proj.weight": (kv, n_embd),
                        layer + "self_attn.o_proj.weight": (n_embd, n_embd),
-                       layer + "post_attention_layernorm.weight": (n_embd,),
-                       layer + "mlp.gate_proj.weight": (intermediate_size, n_embd),
-                       layer + "mlp.up_proj.weight": (intermediate_size, n_embd),
-                       layer + "mlp.down_proj.weight": (n_embd, intermediate_size)})
+                       layer + "post_attention_layernorm.weight": (n_embd,)})
+        mlps = [f"{layer}block_sparse_moe.experts.{e}." for e in range(n_expert)] or [layer + "mlp."]
+        shapes.update({layer + "block_sparse_moe.gate.weight": (n_expert, n_embd)} if n_expert else {})
+        names = ["w1", "w2", "w3"] if n_expert else ["gate_proj", "up_proj", "down_proj"]  # in the order each stores
+        for mlp, name in itertools.product(mlps, names):
+            down = name in ("w2", "down_proj")
+            shapes[f"{mlp}{name}.weight"] = (n_embd, intermediate_size) if down else (intermediate_size, n_embd)
     shapes.update({"model.norm.weight": (n_embd,)}, **({} if tied else {"lm_head.weight": (vocab_size, n_embd)}))
     generator = torch.Generator().manual_seed(seed)
-    return {name: (float(name.endswith("norm.weight")) + 0.1 * torch.randn(shape, generator=generator)).bfloat16()
-            for name, shape in shapes.items()}
+    scale = lambda name: 1.0 if name.endswith("moe.gate.weight") else 0.1  # noqa: E731
+    return {name: (float(name.endswith("norm.weight")) + scale(name) * torch.randn(shape, generator=generator))
+            .bfloat16() for name, shape in shapes.items()}
 
 
 def write_hugging_face_llama(folder, tensors, n_head=4, n_kv_head=2, files=2, rope_parameters=False, **config):
@@ -6238,14 +6246,15 @@ def llama_stored_name(name):
 
 
 def gpt_weights_from_hugging_face_llama(tensors, config):
-    """Our parameters, by gpt.py name, from Llama's stored tensors, apart from hugging_face.py's mapping: the same
-    [out, in] matrices under other names, q and k rows as stored (gpt.rotate follows rotate_half), embed_tokens and
-    lm_head padded with zero rows up to padded_vocab_size, in float32."""
+    """Our parameters, by gpt.py name, from Llama's (or Mixtral's) stored tensors, apart from hugging_face.py's
+    mapping: the same [out, in] matrices under other names, q and k rows as stored (gpt.rotate follows rotate_half),
+    embed_tokens and lm_head padded with zero rows up to padded_vocab_size, in float32."""
     with torch.device("meta"):
         names = [name for name, _ in gpt.GPT(config).named_parameters()]
     pad = lambda t: F.pad(t, (0, 0, 0, config.padded_vocab_size - config.vocab_size)) if t.dim() == 2 and len(
         t) == config.vocab_size else t  # noqa: E731
-    return {name: pad(tensors[llama_stored_name(name)].float()) for name in names}
+    stored_name = mixtral_stored_name if config.n_expert else llama_stored_name
+    return {name: pad(tensors[stored_name(name)].float()) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -7281,32 +7290,6 @@ def test_4d_bench_measures_what_the_formula_says(corpus, tmp_path):
 # tensor of its own name in the files, so a rank reads the experts it holds and no other; export.py writes it back.
 
 
-def hugging_face_mixtral(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=32, n_expert=8,
-                         vocab_size=256, seed=0):
-    """The tensors of a random Mixtral as MixtralForCausalLM stores them, by stored name, in bfloat16 as the hub's
-    files hold them: Llama's attention and norms (gains random around 1), block_sparse_moe.gate the router [n_expert,
-    hidden], each expert's w1 (gate), w3 (up) and w2 (down), an untied lm_head. The router's weights are 10 times the
-    others', so that a token's experts are chosen by clear margins (float32 and float64 pick the same)."""
-    kv = n_kv_head * n_embd // n_head
-    shapes = {"model.embed_tokens.weight": (vocab_size, n_embd)}
-    for i in range(n_layer):
-        layer = f"model.layers.{i}."
-        shapes.update({layer + "input_layernorm.weight": (n_embd,), layer + "self_attn.q_proj.weight": (n_embd, n_embd),
-                       layer + "self_attn.k_proj.weight": (kv, n_embd), layer + "self_attn.v_proj.weight": (kv, n_embd),
-                       layer + "self_attn.o_proj.weight": (n_embd, n_embd),
-                       layer + "post_attention_layernorm.weight": (n_embd,),
-                       layer + "block_sparse_moe.gate.weight": (n_expert, n_embd)})
-        for e in range(n_expert):
-            expert = f"{layer}block_sparse_moe.experts.{e}."
-            shapes.update({expert + "w1.weight": (intermediate_size, n_embd), expert + "w2.weight": (
-                n_embd, intermediate_size), expert + "w3.weight": (intermediate_size, n_embd)})
-    shapes.update({"model.norm.weight": (n_embd,), "lm_head.weight": (vocab_size, n_embd)})
-    generator = torch.Generator().manual_seed(seed)
-    scale = lambda name: 1.0 if name.endswith("moe.gate.weight") else 0.1  # noqa: E731
-    return {name: (float(name.endswith("norm.weight")) + scale(name) * torch.randn(shape, generator=generator))
-            .bfloat16() for name, shape in shapes.items()}
-
-
 def write_hugging_face_mixtral(folder, tensors, n_head=4, n_kv_head=2, files=3, **config):
     """config.json as the hub's Mixtral-8x7B-v0.1 writes it (its shapes aside), and the tensors in `files` safetensors
     shards with model.safetensors.index.json, consecutive tensors a file as save_pretrained() cuts them (so a layer's
@@ -7357,22 +7340,12 @@ def mixtral_stored_name(name):
     return llama_stored_name(name)
 
 
-def gpt_weights_from_hugging_face_mixtral(tensors, config):
-    """Our parameters, by gpt.py name, from Mixtral's stored tensors, apart from hugging_face.py's mapping, in
-    float32: the same [out, in] matrices under other names, embed_tokens and lm_head padded with zero rows."""
-    with torch.device("meta"):
-        names = [name for name, _ in gpt.GPT(config).named_parameters()]
-    pad = lambda t: F.pad(t, (0, 0, 0, config.padded_vocab_size - config.vocab_size)) if t.dim() == 2 and len(
-        t) == config.vocab_size else t  # noqa: E731
-    return {name: pad(tensors[mixtral_stored_name(name)].float()) for name in names}
-
-
 @pytest.fixture(scope="module")
 def mixtral_like(tmp_path_factory):
     """(folder, tensors, config.json): a random Mixtral with the default corpus' vocabulary (256 byte tokens), 2 layers
     of width 64, 4 query heads sharing 2 key/value heads, 8 experts of width 32, 2 a token, in 3 safetensors shards
     and an index; under torchrun rank 0 writes it into a folder every rank names alike."""
-    tensors = hugging_face_mixtral()
+    tensors = hugging_face_llama(intermediate_size=32, n_expert=8)
     folder = _same_on_every_rank(tmp_path_factory.mktemp("mixtral_like"))
     if LAUNCHED_WORLD == 1 or dist.get_rank() == 0:
         write_hugging_face_mixtral(folder, tensors)
@@ -7390,7 +7363,7 @@ def test_hugging_face_mixtral_loads_and_computes_mixtrals_logits(mixtral_like):
     config = hugging_face.config_from_hugging_face(hf, 32, 0.0)
     assert (config.n_expert, config.n_expert_per_token, config.mlp_hidden, config.rope_theta) == (8, 2, 32, 1e6)
     value = training.initial_values(config, 0, folder)
-    for name, expected in gpt_weights_from_hugging_face_mixtral(tensors, config).items():
+    for name, expected in gpt_weights_from_hugging_face_llama(tensors, config).items():
         assert torch.equal(value(name, expected.shape), expected), name
     idx = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     reference = hugging_face_llama_logits(tensors, hf, idx[:, :-1])
@@ -7419,7 +7392,7 @@ def test_a_rank_holding_experts_2_and_3_reads_only_theirs(mixtral_like, monkeypa
     monkeypatch.setattr(hugging_face, "safe_open", lambda path, *args, **kwargs: CountingSafetensorsFile(
         real_open(path, *args, **kwargs), loaded, os.path.basename(path)))
     value = training.initial_values(config, 0, folder)
-    expected = gpt_weights_from_hugging_face_mixtral(tensors, config)
+    expected = gpt_weights_from_hugging_face_llama(tensors, config)
     mine = [name for name in expected if re.search(r"\.experts\.[23]\.", name)]
     for name in mine:
         assert torch.equal(value(name, expected[name].shape), expected[name]), name
@@ -7468,7 +7441,7 @@ def test_train_single_starts_from_a_mixtral_and_export_writes_it_back(corpus, tm
                             global_batch=4, micro_batch=4))
     run = read_run(tmp_path / "run")
     config = hugging_face.config_from_hugging_face(hf, 32, 0.0)
-    expected = gpt_weights_from_hugging_face_mixtral(tensors, config)
+    expected = gpt_weights_from_hugging_face_llama(tensors, config)
     balancing = {name for name in run.weights if name.endswith(("mlp.expert_bias", "mlp.tokens_per_expert"))}
     assert run.weights.keys() - balancing == expected.keys() and len(balancing) == 2 * config.n_layer
     for name, weight in expected.items():
