@@ -573,13 +573,15 @@ def test_every_preset_builds_at_every_tensor_parallel_degree():
     """On meta, in seconds: every preset at --tp 2, 4 and 8 where n_head allows it. GPT-2's head counts (4, 12, 16,
     20, 25) leave --tp 8 to gpt2-medium alone among them and no degree of 2, 4, 8 to gpt2-xl (the README says so); the
     layout check names the flag to change. The GPT-3 presets' head counts allow every degree, and so do Llama 3's 8
-    key/value heads; llama-tiny's 2 allow --tp 2 only."""
+    key/value heads; llama-tiny's 2 allow --tp 2 only. A mixture of experts is refused at every degree."""
     built = run_distributed(8, _presets_on_meta)[0]
     gpt3 = {preset for preset in gpt.PRESETS if preset.startswith("gpt3")}  # head counts chosen for --tp 8
     llama3 = {preset for preset in gpt.PRESETS if preset.startswith("llama3")}  # 8 key/value heads each
+    dense = {preset for preset, fields in gpt.PRESETS.items() if not fields.get("n_expert")}  # --tp refuses experts
     assert {tp: {preset for preset, degree in built if degree == tp} for tp in (2, 4, 8)} == {
-        2: set(gpt.PRESETS) - {"gpt2-xl"}, 4: set(gpt.PRESETS) - {"gpt2-xl", "llama-tiny"},
-        8: {"gpt2-medium"} | gpt3 | llama3}
+        2: dense - {"gpt2-xl"}, 4: dense - {"gpt2-xl", "llama-tiny"}, 8: {"gpt2-medium"} | gpt3 | llama3}
+    with pytest.raises(ValueError, match="^--tp splits a dense MLP, not yet a mixture of experts"):
+        training.check_tensor_parallel(gpt.make_config("mixtral-8x7b", 32000, 1024), 8, False)
     with pytest.raises(ValueError, match="n_head \\(25\\) is not divisible by --tp 2"):
         training.check_tensor_parallel(gpt.make_config("gpt2-xl", 50257, 1024), 2, False)
     # llama-tiny: 4 query heads share 2 key/value heads, which tensor parallelism splits too
